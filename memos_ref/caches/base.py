@@ -1,0 +1,103 @@
+"""What every dense (non-paged) cache of the package shares: input checks, byte accounting, the transformers
+``Cache`` protocol.
+
+A cache here is a ``transformers.Cache`` whose per-layer objects do the storing. That one protocol
+(``update(k, v, layer_idx) -> (K_all, V_all)``, ``get_seq_length()``) is what both the package's teaching
+forward and every transformers model call, so each cache works in both without adapters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from memos_ref.errors import DeviceError, DTypeError, LayerIndexError, ShapeError
+
+__all__ = ["MemosCache", "check_new_kv"]
+
+
+def check_new_kv(layer: CacheLayerMixin, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Reject K/V that this layer cannot store, before anything is changed.
+
+    Expected: two tensors of one shape ``[B, H_kv, S_new, D]``; once the layer holds data, the same batch,
+    heads, head dim, dtype and device as before.
+    """
+    if not isinstance(key, torch.Tensor) or not isinstance(value, torch.Tensor):
+        raise ShapeError(f"key and value must be tensors, got {type(key).__name__} and {type(value).__name__}")
+    if key.ndim != 4:
+        raise ShapeError(f"key must be 4-D [batch, kv_heads, new_tokens, head_dim], got shape {tuple(key.shape)}")
+    if key.shape != value.shape:
+        raise ShapeError(f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}")
+    if key.dtype != value.dtype:
+        raise DTypeError(f"key and value dtypes differ: {key.dtype} vs {value.dtype}")
+    if key.device != value.device:
+        raise DeviceError(f"key and value devices differ: {key.device} vs {value.device}")
+    if not getattr(layer, "is_initialized", False):
+        return
+    b, h, _, d = key.shape
+    expected = (layer.batch_size, layer.num_heads, layer.head_dim)
+    if (b, h, d) != expected:
+        raise ShapeError(
+            f"key shape {tuple(key.shape)} does not fit this layer: expected [batch={expected[0]}, "
+            f"kv_heads={expected[1]}, *, head_dim={expected[2]}]"
+        )
+    if key.dtype != layer.dtype:
+        raise DTypeError(f"key dtype {key.dtype} does not match the cache dtype {layer.dtype}")
+    if key.device != layer.device:
+        raise DeviceError(f"key device {key.device} does not match the cache device {layer.device}")
+
+
+class MemosCache(Cache):
+    """A ``transformers.Cache`` made of the package's layer objects, with checks and byte accounting.
+
+    Args:
+        layer_factory: builds one layer object.
+        num_layers: when given, layers are created up front and a ``layer_idx`` outside ``[0, num_layers)``
+            raises :class:`LayerIndexError`; when ``None`` they are created on first use, as transformers'
+            ``DynamicCache`` does.
+    """
+
+    def __init__(self, layer_factory: Callable[[], CacheLayerMixin], num_layers: int | None = None) -> None:
+        if num_layers is not None and (not isinstance(num_layers, int) or num_layers <= 0):
+            raise LayerIndexError(f"num_layers must be a positive int or None, got {num_layers!r}")
+        self.num_layers = num_layers
+        if num_layers is None:
+            super().__init__(layer_class_to_replicate=layer_factory)
+        else:
+            super().__init__(layers=[layer_factory() for _ in range(num_layers)])
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new K/V ``[B, H_kv, S_new, D]`` of layer ``layer_idx``; return all of that layer's K/V."""
+        if not isinstance(layer_idx, int) or layer_idx < 0:
+            raise LayerIndexError(f"layer_idx must be an int >= 0, got {layer_idx!r}")
+        if self.num_layers is not None and layer_idx >= self.num_layers:
+            raise LayerIndexError(f"layer_idx {layer_idx} is out of range: this cache has {self.num_layers} layers")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def bytes_copied(self) -> int:
+        """Bytes written into cache memory so far, growth and concatenation copies included."""
+        return sum(getattr(layer, "bytes_copied", 0) for layer in self.layers)
+
+    def nbytes_used(self) -> int:
+        """Bytes of K/V actually holding tokens."""
+        return sum(layer.nbytes_used() for layer in self.layers)
+
+    def nbytes_reserved(self) -> int:
+        """Bytes of memory the cache holds (preallocated capacity included)."""
+        return sum(layer.nbytes_reserved() for layer in self.layers)
+
+    def stats(self) -> dict[str, int]:
+        """Tokens, bytes used, bytes reserved and bytes copied, as a dict."""
+        return {
+            "tokens": self.get_seq_length(),
+            "layers": len(self.layers),
+            "nbytes_used": self.nbytes_used(),
+            "nbytes_reserved": self.nbytes_reserved(),
+            "bytes_copied": self.bytes_copied,
+        }

@@ -1,0 +1,72 @@
+"""The shipped model: a byte tokenizer, a small Llama trained on the Python standard library, and the
+package's own forward pass.
+
+``load_hf_model()`` gives the transformers ``LlamaForCausalLM``; ``load_model()`` gives the package's
+:class:`~memos_ref.model.llama.LlamaForward` on the same weights. Both load from inside the package, offline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memos_ref.model.llama import LlamaConfig, LlamaForward
+from memos_ref.model.tokenizer import SPECIAL_TOKENS, ByteTokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "SPECIAL_TOKENS",
+    "LlamaConfig",
+    "LlamaForward",
+    "shipped_model_dir",
+    "load_model",
+    "load_hf_model",
+    "model_fingerprint",
+    "training_report",
+]
+
+
+def shipped_model_dir() -> Path:
+    """Folder of the shipped weights (``config.json``, ``model.safetensors``, ``training_report.json``)."""
+    return Path(str(resources.files("memos_ref.model").joinpath("assets")))
+
+
+def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.float32) -> LlamaForward:
+    """The package's teaching forward, on the shipped weights unless ``path`` names another folder."""
+    return LlamaForward.from_pretrained(path or shipped_model_dir(), dtype=dtype)
+
+
+def load_hf_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32, attn: str = "sdpa") -> Any:
+    """The transformers ``AutoModelForCausalLM`` on the shipped weights (offline; nothing is downloaded)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path or shipped_model_dir()), dtype=dtype, attn_implementation=attn, local_files_only=True
+    )
+    return model.eval()
+
+
+def model_fingerprint(path: str | Path | None = None) -> str:
+    """A short id of a model's weights and config: SHA-256 over ``config.json`` and ``model.safetensors``.
+
+    Stored KV carries it so that KV from one model is never loaded into another.
+    """
+    folder = Path(path or shipped_model_dir())
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        with open(folder / name, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def training_report(path: str | Path | None = None) -> dict[str, Any]:
+    """The JSON report written by ``python -m memos_ref.model.train`` (held-out bits/byte and more)."""
+    return json.loads((Path(path or shipped_model_dir()) / "training_report.json").read_text())
