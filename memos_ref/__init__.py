@@ -10,4 +10,4 @@ from memos_ref.spec import KVSpec
 
 __version__ = "0.1.0"
 
-__all__ = ["KVSpec", "ConcatCache", "ContiguousCache", "KVCacheError", "__version__"]
+__all__ = ["ConcatCache", "ContiguousCache", "KVCacheError", "KVSpec", "__version__"]

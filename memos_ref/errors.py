@@ -8,20 +8,20 @@ the structure it was called on exactly as it was.
 from __future__ import annotations
 
 __all__ = [
-    "KVCacheError",
+    "BackendUnavailableError",
+    "CapacityExceededError",
     "ConfigError",
-    "ShapeError",
+    "CorruptCacheError",
     "DTypeError",
     "DeviceError",
-    "LayerIndexError",
-    "CapacityExceededError",
-    "OutOfBlocksError",
-    "InvalidBlockError",
     "DoubleFreeError",
-    "RefcountUnderflowError",
-    "CorruptCacheError",
-    "BackendUnavailableError",
+    "InvalidBlockError",
+    "KVCacheError",
+    "LayerIndexError",
     "ModelMismatchError",
+    "OutOfBlocksError",
+    "RefcountUnderflowError",
+    "ShapeError",
 ]
 
 

@@ -7,14 +7,15 @@ H key/value heads, D head dimension). For Llama-2-7B in fp16 that is exactly 524
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from memos_ref.errors import ConfigError
 
-__all__ = ["KVSpec", "ALLOWED_BLOCK_SIZES", "dtype_from_name"]
+__all__ = ["ALLOWED_BLOCK_SIZES", "KVSpec", "dtype_from_name"]
 
 ALLOWED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 
@@ -125,7 +126,7 @@ class KVSpec:
             raise ConfigError(f"tokens must be >= 0, got {tokens}")
         return -(-tokens // self.block_size)
 
-    def with_(self, **changes: Any) -> "KVSpec":
+    def with_(self, **changes: Any) -> KVSpec:
         """A copy with some fields changed (validated again)."""
         fields = {
             "num_layers": self.num_layers,
@@ -154,7 +155,7 @@ class KVSpec:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "KVSpec":
+    def from_dict(cls, data: Mapping[str, Any]) -> KVSpec:
         """Inverse of :meth:`to_dict` (``bytes_per_token`` is checked, not trusted)."""
         try:
             spec = cls(
@@ -169,8 +170,7 @@ class KVSpec:
             raise ConfigError(f"KVSpec dict is missing field {exc.args[0]!r}") from None
         if "bytes_per_token" in data and int(data["bytes_per_token"]) != spec.bytes_per_token:
             raise ConfigError(
-                f"KVSpec dict says bytes_per_token={data['bytes_per_token']}, its geometry gives "
-                f"{spec.bytes_per_token}"
+                f"KVSpec dict says bytes_per_token={data['bytes_per_token']}, its geometry gives {spec.bytes_per_token}"
             )
         return spec
 
@@ -182,7 +182,7 @@ class KVSpec:
         *,
         dtype: str | torch.dtype | None = None,
         block_size: int = 16,
-    ) -> "KVSpec":
+    ) -> KVSpec:
         """Read the KV geometry from a Hugging Face config (a dict or a ``PretrainedConfig``).
 
         Handles Llama, Mistral, Qwen2, Qwen3, Gemma and Phi-3 style configs (``num_hidden_layers``,
@@ -226,9 +226,7 @@ class KVSpec:
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"config has {label} = {value!r}: expected a positive int")
         if q_heads % kv_heads:
-            raise ConfigError(
-                f"num_attention_heads ({q_heads}) is not a multiple of num_key_value_heads ({kv_heads})"
-            )
+            raise ConfigError(f"num_attention_heads ({q_heads}) is not a multiple of num_key_value_heads ({kv_heads})")
         if head_dim is None:
             if hidden % q_heads:
                 raise ConfigError(

@@ -5,12 +5,12 @@ from memos_ref.caches.concat import ConcatCache, ConcatLayer
 from memos_ref.caches.contiguous import LAYOUTS, ContiguousCache, ContiguousLayer, GrowthEvent
 
 __all__ = [
-    "MemosCache",
-    "check_new_kv",
+    "LAYOUTS",
     "ConcatCache",
     "ConcatLayer",
     "ContiguousCache",
     "ContiguousLayer",
     "GrowthEvent",
-    "LAYOUTS",
+    "MemosCache",
+    "check_new_kv",
 ]

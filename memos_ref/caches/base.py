@@ -8,7 +8,8 @@ forward and every transformers model call, so each cache works in both without a
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin

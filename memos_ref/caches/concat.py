@@ -14,7 +14,7 @@ from transformers.cache_utils import DynamicLayer
 
 from memos_ref.caches.base import MemosCache, check_new_kv
 
-__all__ = ["ConcatLayer", "ConcatCache"]
+__all__ = ["ConcatCache", "ConcatLayer"]
 
 
 class ConcatLayer(DynamicLayer):

@@ -23,7 +23,7 @@ from transformers.cache_utils import CacheLayerMixin
 from memos_ref.caches.base import MemosCache, check_new_kv
 from memos_ref.errors import CapacityExceededError, ConfigError
 
-__all__ = ["ContiguousLayer", "ContiguousCache", "GrowthEvent", "LAYOUTS"]
+__all__ = ["LAYOUTS", "ContiguousCache", "ContiguousLayer", "GrowthEvent"]
 
 LAYOUTS = ("HSD", "SHD")
 
@@ -106,9 +106,7 @@ class ContiguousLayer(CacheLayerMixin):
         self._slot(new_k, 0, self.valid_len).copy_(self._slot(self._k, 0, self.valid_len))
         self._slot(new_v, 0, self.valid_len).copy_(self._slot(self._v, 0, self.valid_len))
         copied = 2 * self._slot(self._k, 0, self.valid_len).nbytes
-        self.growth_events.append(
-            GrowthEvent(self.capacity, new_capacity, copied, time.perf_counter() - started)
-        )
+        self.growth_events.append(GrowthEvent(self.capacity, new_capacity, copied, time.perf_counter() - started))
         self.bytes_copied += copied
         self._k, self._v, self.capacity = new_k, new_v, new_capacity
 

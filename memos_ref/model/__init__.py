@@ -20,14 +20,14 @@ from memos_ref.model.llama import LlamaConfig, LlamaForward
 from memos_ref.model.tokenizer import SPECIAL_TOKENS, ByteTokenizer
 
 __all__ = [
-    "ByteTokenizer",
     "SPECIAL_TOKENS",
+    "ByteTokenizer",
     "LlamaConfig",
     "LlamaForward",
-    "shipped_model_dir",
-    "load_model",
     "load_hf_model",
+    "load_model",
     "model_fingerprint",
+    "shipped_model_dir",
     "training_report",
 ]
 

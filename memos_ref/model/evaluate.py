@@ -7,7 +7,7 @@ a compressor's output size (gzip on Python source is about 2 bits/byte; a byte-u
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,7 @@ from torch import nn
 from memos_ref.errors import ConfigError, ShapeError
 from memos_ref.spec import KVSpec, dtype_from_name
 
-__all__ = ["LlamaConfig", "LlamaForward", "rope_cos_sin", "apply_rope"]
+__all__ = ["LlamaConfig", "LlamaForward", "apply_rope", "rope_cos_sin"]
 
 _SUPPORTED = ("llama", "mistral", "qwen2")
 
@@ -52,7 +53,7 @@ class LlamaConfig:
     dtype: str = "float32"
 
     @classmethod
-    def from_hf_dict(cls, cfg: Mapping[str, Any]) -> "LlamaConfig":
+    def from_hf_dict(cls, cfg: Mapping[str, Any]) -> LlamaConfig:
         """Read a transformers ``config.json`` dict (Llama, Mistral or Qwen2)."""
         model_type = cfg.get("model_type", "llama")
         if model_type not in _SUPPORTED:
@@ -191,7 +192,7 @@ class LlamaForward(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str = torch.float32) -> "LlamaForward":
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str = torch.float32) -> LlamaForward:
         """Load ``config.json`` and ``model.safetensors`` from a folder (no pickle, no network)."""
         path = Path(path)
         cfg = LlamaConfig.from_hf_dict(json.loads((path / "config.json").read_text()))

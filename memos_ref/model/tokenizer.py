@@ -6,13 +6,13 @@ byte" and "tokens" mean the same thing in every measurement of this project.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from memos_ref.errors import ConfigError
 
-__all__ = ["ByteTokenizer", "SPECIAL_TOKENS"]
+__all__ = ["SPECIAL_TOKENS", "ByteTokenizer"]
 
 #: Special tokens after the 256 byte values, in id order. The role markers are reserved for the session layer
 #: (they mark segment boundaries); the shipped model never saw them in training.

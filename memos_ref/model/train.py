@@ -22,7 +22,7 @@ from memos_ref.model.corpus import heldout_text, training_documents, unigram_bit
 from memos_ref.model.evaluate import bits_per_byte
 from memos_ref.model.tokenizer import ByteTokenizer
 
-__all__ = ["model_config", "train", "main"]
+__all__ = ["main", "model_config", "train"]
 
 DEFAULT_OUT = Path(__file__).parent / "assets"
 

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random-init Llama and Qwen2 models saved to disk, and the shipped model."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+
+TINY = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+
+
+def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Give every parameter (biases and norms included) random values, so no term of the forward is trivial."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p + 0.05 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_model_dir(request, tmp_path_factory):
+    """A folder with a random-init tiny Llama or Qwen2 in transformers format."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    if request.param == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**TINY))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY))
+    folder = tmp_path_factory.mktemp(request.param)
+    _perturbed(model, seed=1).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def shipped_pair():
+    """(package forward, transformers model) on the shipped weights."""
+    from memos_ref.model import load_hf_model, load_model
+
+    return load_model(), load_hf_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_model_dir):
+    from memos_ref.model import load_hf_model, load_model
+
+    return load_model(tiny_model_dir), load_hf_model(tiny_model_dir)

@@ -1,0 +1,70 @@
+"""Every benchmark runs in --quick mode and keeps the JSON contract (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from memos_ref.bench import BENCHMARKS, get
+from memos_ref.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def quick_decode(tmp_path_factory):
+    plot = tmp_path_factory.mktemp("bench") / "decode.png"
+    out = subprocess.run(
+        [sys.executable, "-m", "memos_ref.bench", "decode", "--quick", "--json", "--plot", str(plot)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    ).stdout
+    return json.loads(out), plot  # exactly one JSON object on stdout
+
+
+def test_decode_quick_json_contract(quick_decode):
+    report, _ = quick_decode
+    assert set(report) == {"bench", "version", "machine", "config", "results", "summary"}
+    summary = report["summary"]
+    for key in (
+        "concat_over_contiguous_ms_per_token_at_max_ctx",
+        "dynamic_over_contiguous_ms_per_token_at_max_ctx",
+        "nocache_over_contiguous_ms_per_token_at_max_ctx",
+    ):
+        assert set(summary[key]) == {"shipped", "wide"}
+        assert all(v > 0 for v in summary[key].values())
+    assert summary["kv_bytes_per_token"] == {"shipped": 2 * 4 * 2 * 32 * 4, "wide": 2 * 8 * 8 * 64 * 4}
+    methods = {(r["method"], r["forward"]) for r in report["results"]}
+    assert {("no_cache", "package"), ("dynamic", "transformers"), ("static", "transformers")} <= methods
+    # deterministic figure: a contiguous cache preallocated to max_len holds exactly that many tokens
+    row = next(r for r in report["results"] if r["method"] == "contiguous" and r["model"] == "wide")
+    cfg = report["config"]
+    assert row["kv_bytes"] == (row["context"] + cfg["warmup_steps"] + cfg["timed_steps"] + 1) * 65536
+
+
+def test_every_benchmark_is_registered_and_unknown_names_fail():
+    for name in BENCHMARKS:
+        module = get(name)
+        assert callable(module.run) and callable(module.human) and callable(module.plot)
+    with pytest.raises(ConfigError, match="unknown benchmark"):
+        get("nope")
+
+
+def test_plot_and_human_table(quick_decode):
+    from memos_ref.bench import decode
+
+    report, plot = quick_decode
+    assert "ms/token" in decode.human(report)
+    assert plot.stat().st_size > 1000
+
+
+def test_demo_prints_identical_tokens_for_every_cache(capsys):
+    from memos_ref import demo
+
+    demo.main(["--new-tokens", "12"])
+    out = capsys.readouterr().out
+    table = out.split("same tokens", 1)[1]
+    assert "True" in table and "False" not in table

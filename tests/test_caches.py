@@ -1,0 +1,177 @@
+"""ConcatCache and ContiguousCache: equal to transformers' DynamicCache token for token, in both forwards;
+contents equal under random appends; clear errors that leave the cache unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+from memos_ref.caches import ConcatCache, ContiguousCache
+from memos_ref.errors import CapacityExceededError, ConfigError, DeviceError, DTypeError, LayerIndexError, ShapeError
+from memos_ref.model.tokenizer import ByteTokenizer
+
+NEW_TOKENS = 64
+CACHES = {
+    "concat": lambda: ConcatCache(),
+    "contiguous-hsd": lambda: ContiguousCache(capacity=16),  # grows several times while generating
+    "contiguous-shd": lambda: ContiguousCache(capacity=16, layout="SHD", growth_factor=2.0),
+    "contiguous-fixed": lambda: ContiguousCache(capacity=256, growth_factor=None),
+}
+
+
+def _prompt(vocab: int) -> torch.Tensor:
+    return torch.tensor([ByteTokenizer().encode("def parse_args(argv):\n    ", add_bos=vocab > 256)])
+
+
+@pytest.mark.parametrize("kind", sorted(CACHES))
+@pytest.mark.parametrize("which", ["shipped", "tiny"])
+def test_hf_generate_equals_dynamic_cache(kind, which, shipped_pair, tiny_pair):
+    _, hf = shipped_pair if which == "shipped" else tiny_pair
+    prompt = _prompt(hf.config.vocab_size)
+    args = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = hf.generate(prompt, cache=DynamicCache(), **args)
+    cache = CACHES[kind]()
+    got = hf.generate(prompt, cache=cache, **args)
+    assert got.shape[1] == prompt.shape[1] + NEW_TOKENS
+    assert torch.equal(got, expected)
+    assert cache.get_seq_length() == got.shape[1] - 1  # the last token is sampled, never fed back
+
+
+@pytest.mark.parametrize("kind", sorted(CACHES))
+@pytest.mark.parametrize("which", ["shipped", "tiny"])
+def test_manual_loops_in_both_forwards_equal_dynamic_cache(kind, which, shipped_pair, tiny_pair):
+    ours, hf = shipped_pair if which == "shipped" else tiny_pair
+    prompt = _prompt(hf.config.vocab_size)
+    expected = hf.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    # the package's forward
+    assert torch.equal(ours.generate(prompt, NEW_TOKENS, CACHES[kind]()), expected)
+    # a hand-written loop over transformers' forward
+    cache, ids, step = CACHES[kind](), prompt, prompt
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            logits = hf(input_ids=step, cache=cache, use_cache=True).logits
+            step = logits[:, -1:].argmax(-1)
+            ids = torch.cat([ids, step], dim=1)
+    assert torch.equal(ids, expected)
+
+
+def test_cached_equals_uncached_generation(shipped_pair):
+    ours, _ = shipped_pair
+    prompt = _prompt(300)
+    assert torch.equal(ours.generate(prompt, 48, None), ours.generate(prompt, 48, ContiguousCache()))
+
+
+@pytest.mark.parametrize("kind", ["concat", "contiguous-hsd", "contiguous-shd"])
+def test_left_padded_batch_equals_dynamic_cache(kind, shipped_pair):
+    ours, hf = shipped_pair
+    ids, mask = ByteTokenizer().batch_encode(["class Foo:\n    def", "import os\n\ndef main():\n    return"])
+    args = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=ByteTokenizer().pad_id)
+    expected = hf.generate(ids, attention_mask=mask, cache=DynamicCache(), **args)
+    assert torch.equal(hf.generate(ids, attention_mask=mask, cache=CACHES[kind](), **args), expected)
+    # the package's forward, with the same mask, agrees too
+    assert torch.equal(ours.generate(ids, 32, CACHES[kind](), attention_mask=mask), expected)
+
+
+# ----------------------------------------------------------------------------- contents, property-based
+@settings(max_examples=60, deadline=None)
+@given(
+    chunks=st.lists(st.integers(1, 9), min_size=1, max_size=12),
+    capacity=st.integers(1, 20),
+    growth=st.sampled_from([1.25, 1.5, 2.0]),
+    layout=st.sampled_from(["HSD", "SHD"]),
+    batch=st.integers(1, 3),
+    crop=st.integers(0, 5),
+)
+def test_random_appends_leave_contiguous_equal_to_concat(chunks, capacity, growth, layout, batch, crop):
+    gen = torch.Generator().manual_seed(sum(chunks) + capacity)
+    concat, contiguous = ConcatCache(num_layers=2), ContiguousCache(capacity, growth, layout, num_layers=2)
+    for n in chunks:
+        for layer in range(2):
+            k, v = torch.randn(2, batch, 3, n, 4, generator=gen).unbind(0)
+            k1, v1 = concat.update(k, v, layer)
+            k2, v2 = contiguous.update(k.clone(), v.clone(), layer)
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    total = sum(chunks)
+    assert contiguous.get_seq_length() == concat.get_seq_length() == total
+    assert contiguous.layers[0].capacity >= total
+    assert contiguous.nbytes_used() == concat.nbytes_used()
+    # bytes written: the contiguous cache moves each token once plus its growth copies; concat re-copies all
+    growth_bytes = sum(e.bytes_copied for e in contiguous.growth_events)
+    assert contiguous.bytes_copied == concat.nbytes_used() + growth_bytes
+    assert concat.bytes_copied >= contiguous.bytes_copied - growth_bytes
+    drop = min(crop, total)
+    concat.crop(-drop)
+    contiguous.crop(-drop)
+    assert torch.equal(concat.layers[1].keys, contiguous.layers[1].keys)
+
+
+def test_growth_policy_is_the_configured_factor():
+    cache = ContiguousCache(capacity=1024, growth_factor=1.5, num_layers=1)
+    cache.update(torch.zeros(1, 2, 1024, 8), torch.zeros(1, 2, 1024, 8), 0)
+    cache.update(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), 0)
+    (event,) = cache.growth_events
+    assert (event.old_capacity, event.new_capacity) == (1024, 1536)
+    assert event.bytes_copied == 2 * 2 * 1024 * 8 * 4
+    assert cache.nbytes_reserved() == 2 * 2 * 1536 * 8 * 4
+
+
+# ----------------------------------------------------------------------------- errors
+def _kv(*shape, dtype=torch.float32, device="cpu"):
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("factory", [lambda: ConcatCache(num_layers=2), lambda: ContiguousCache(8, num_layers=2)])
+def test_errors_name_expected_and_actual_and_leave_the_cache_unchanged(factory):
+    cache = factory()
+    cache.update(*_kv(1, 2, 3, 4), 0)
+    before = (cache.get_seq_length(), cache.layers[0].keys.clone())
+    with pytest.raises(LayerIndexError, match="out of range"):
+        cache.update(*_kv(1, 2, 1, 4), 2)
+    with pytest.raises(LayerIndexError):
+        cache.update(*_kv(1, 2, 1, 4), -1)
+    with pytest.raises(ShapeError, match=r"kv_heads=2"):
+        cache.update(*_kv(1, 3, 1, 4), 0)
+    with pytest.raises(ShapeError, match="4-D"):
+        cache.update(*_kv(2, 1, 4), 0)
+    with pytest.raises(ShapeError, match="differ"):
+        cache.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 2, 4), 0)
+    with pytest.raises(DTypeError, match="float16"):
+        cache.update(*_kv(1, 2, 1, 4, dtype=torch.float16), 0)
+    with pytest.raises(DeviceError, match="meta"):
+        cache.update(*_kv(1, 2, 1, 4, device="meta"), 0)
+    assert cache.get_seq_length() == before[0]
+    assert torch.equal(cache.layers[0].keys, before[1])
+
+
+def test_fixed_capacity_raises_and_keeps_state():
+    cache = ContiguousCache(capacity=4, growth_factor=None, num_layers=1)
+    cache.update(*_kv(1, 1, 3, 2), 0)
+    with pytest.raises(CapacityExceededError, match="fixed capacity is 4") as info:
+        cache.update(*_kv(1, 1, 2, 2), 0)
+    assert (info.value.needed, info.value.capacity) == (5, 4)
+    assert cache.get_seq_length() == 3
+    with pytest.raises(CapacityExceededError, match="prefill of 5"):
+        ContiguousCache(capacity=4, growth_factor=None).update(*_kv(1, 1, 5, 2), 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(capacity=0), dict(growth_factor=1.0), dict(growth_factor=0.5), dict(layout="SDH")]
+)
+def test_bad_options(kwargs):
+    with pytest.raises(ConfigError):
+        ContiguousCache(**kwargs)
+
+
+def test_beam_reorder_and_batch_select():
+    cache = ContiguousCache(4, num_layers=1)
+    keys = torch.arange(3 * 1 * 2 * 1, dtype=torch.float32).view(3, 1, 2, 1)
+    cache.update(keys, keys.clone(), 0)
+    cache.reorder_cache(torch.tensor([2, 0, 1]))
+    assert torch.equal(cache.layers[0].keys, keys[[2, 0, 1]])
+    cache.batch_select_indices(torch.tensor([1]))
+    assert torch.equal(cache.layers[0].keys, keys[[0]])
+    cache.update(torch.ones(1, 1, 1, 1), torch.ones(1, 1, 1, 1), 0)  # still writable after reindexing
+    assert cache.get_seq_length() == 3
