@@ -1,16 +1,18 @@
 # memos-ref: every target sets itself up (venv + pinned packages) on a machine with only python3, pip and make.
 #   make lab    open JupyterLab on notebooks/        make test   ruff + pytest + every notebook (nbmake)
-#   make demo   generate with each cache, print a table   make bench  the decode benchmark (table + plot)
+#   make demo   generate with each cache, print a table   make bench  the decode and growth benchmarks
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 # torch is pinned: other versions pull several GB of CUDA wheels on machines without a GPU.
 TORCH  ?= torch==2.13.0
+# Extra pip options for the torch install only, e.g. TORCH_PIP_ARGS="--index-url <PyTorch's CPU wheel index>"
+# on a Linux laptop without a GPU, where PyPI's torch wheel brings CUDA libraries along.
+TORCH_PIP_ARGS ?=
 STAMP  := $(VENV)/.memos-ref-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
-export MPLBACKEND := Agg
 
 .PHONY: setup lab test lint unit notebooks demo bench clean
 
@@ -18,14 +20,19 @@ setup: $(STAMP)
 
 # Re-runs only when pyproject.toml or this Makefile change; otherwise `make setup` is instant.
 $(STAMP): pyproject.toml Makefile
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { \
+		echo "error: '$(PYTHON) -m venv' failed; on Debian/Ubuntu install the python3-venv package first"; \
+		rm -rf $(VENV); exit 1; }
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	@touch $(STAMP)
 
+# Jupyter refuses to run as root unless told to (containers, CI machines).
+LAB_FLAGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 lab: setup
-	$(BIN)/jupyter lab --notebook-dir=notebooks
+	$(BIN)/jupyter lab --notebook-dir=notebooks $(LAB_FLAGS)
 
 lint: setup
 	$(BIN)/ruff check memos_ref kernels edge tests notebooks
@@ -43,7 +50,9 @@ demo: setup
 	$(BIN)/python -m memos_ref.demo
 
 bench: setup
+	@mkdir -p bench_results
 	$(BIN)/python -m memos_ref.bench decode --plot bench_results/decode.png
+	$(BIN)/python -m memos_ref.bench growth --plot bench_results/growth.png
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache bench_results

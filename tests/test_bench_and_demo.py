@@ -45,6 +45,34 @@ def test_decode_quick_json_contract(quick_decode):
     assert row["kv_bytes"] == (row["context"] + cfg["warmup_steps"] + cfg["timed_steps"] + 1) * 65536
 
 
+@pytest.mark.parametrize("name", sorted(set(BENCHMARKS) - {"decode"}))
+def test_other_benchmarks_quick_json_contract(name):
+    out = subprocess.run(
+        [sys.executable, "-m", "memos_ref.bench", name, "--quick", "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    ).stdout
+    report = json.loads(out)
+    assert report["bench"] == name and report["results"] and report["summary"]
+    assert get(name).human(report)
+
+
+def test_growth_counts_are_exact():
+    from memos_ref.bench import growth
+
+    report = growth.run(quick=True, progress=False)
+    (row,) = [r for r in report["results"] if r["kind"] == "growth"]
+    assert (row["old_capacity"], row["new_capacity"]) == (1024, 1536)
+    assert row["bytes_copied"] == 2 * 1024 * 32 * 128 * 2  # K and V of every held token, fp16
+    for amortised in (r for r in report["results"] if r["kind"] == "amortised"):
+        assert amortised["final_capacity"] >= amortised["final_tokens"]
+        # geometric series: the copies sum to less than final_capacity / (factor - 1)
+        copied = amortised["tokens_copied_by_growth"]
+        assert copied < amortised["final_capacity"] / (amortised["growth_factor"] - 1)
+
+
 def test_every_benchmark_is_registered_and_unknown_names_fail():
     for name in BENCHMARKS:
         module = get(name)

@@ -98,14 +98,24 @@ def test_random_appends_leave_contiguous_equal_to_concat(chunks, capacity, growt
     assert contiguous.get_seq_length() == concat.get_seq_length() == total
     assert contiguous.layers[0].capacity >= total
     assert contiguous.nbytes_used() == concat.nbytes_used()
-    # bytes written: the contiguous cache moves each token once plus its growth copies; concat re-copies all
+    # bytes written, from first principles: concat rewrites the whole layer on every append (the sum of the
+    # running lengths); the contiguous cache writes each token once plus what its growths copied
+    token_bytes = 2 * batch * 3 * 4 * 4  # K and V, 3 heads, head_dim 4, fp32
+    running = [sum(chunks[: i + 1]) for i in range(len(chunks))]
+    assert concat.bytes_copied == 2 * token_bytes * sum(running)
     growth_bytes = sum(e.bytes_copied for e in contiguous.growth_events)
-    assert contiguous.bytes_copied == concat.nbytes_used() + growth_bytes
-    assert concat.bytes_copied >= contiguous.bytes_copied - growth_bytes
+    assert contiguous.bytes_copied == 2 * token_bytes * total + growth_bytes
     drop = min(crop, total)
     concat.crop(-drop)
     contiguous.crop(-drop)
-    assert torch.equal(concat.layers[1].keys, contiguous.layers[1].keys)
+    for cache in (concat, contiguous):
+        assert cache.get_seq_length() == total - drop
+    for a, b in zip(concat.layers, contiguous.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    # writing after a crop overwrites the dropped positions
+    k, v = torch.randn(2, batch, 3, 2, 4, generator=gen).unbind(0)
+    for layer in range(2):
+        assert torch.equal(concat.update(k, v, layer)[0], contiguous.update(k, v, layer)[0])
 
 
 def test_growth_policy_is_the_configured_factor():
@@ -175,3 +185,71 @@ def test_beam_reorder_and_batch_select():
     assert torch.equal(cache.layers[0].keys, keys[[0]])
     cache.update(torch.ones(1, 1, 1, 1), torch.ones(1, 1, 1, 1), 0)  # still writable after reindexing
     assert cache.get_seq_length() == 3
+
+
+def test_failed_calls_do_not_create_layers():
+    cache = ConcatCache()
+    with pytest.raises(ShapeError):
+        cache.update(torch.zeros(2, 3), torch.zeros(2, 3), 3)
+    assert len(cache.layers) == 0
+    cache.update(*_kv(1, 2, 1, 4), 0)
+    with pytest.raises(LayerIndexError, match="num_layers"):
+        cache.update(*_kv(1, 2, 1, 4), 10**6)
+    assert len(cache.layers) == 1
+
+
+def test_fixed_capacity_prefill_failure_then_reuse():
+    cache = ContiguousCache(capacity=4, growth_factor=None, num_layers=1)
+    with pytest.raises(CapacityExceededError):
+        cache.update(*_kv(2, 1, 5, 2), 0)
+    assert not cache.layers[0].is_initialized and cache.get_seq_length() == 0
+    cache.update(*_kv(1, 1, 4, 2), 0)  # a different batch, within capacity, works
+    assert cache.get_seq_length() == 4
+
+
+def test_reset_then_a_new_batch_size():
+    for cache in (ConcatCache(num_layers=1), ContiguousCache(8, num_layers=1)):
+        cache.update(*_kv(2, 1, 3, 2), 0)
+        cache.reset()
+        assert cache.get_seq_length() == 0
+        k = torch.arange(5 * 1 * 2 * 2, dtype=torch.float32).view(5, 1, 2, 2)
+        keys, _ = cache.update(k, k.clone(), 0)
+        assert torch.equal(keys, k)
+
+
+@pytest.mark.parametrize("factory", [lambda: ConcatCache(num_layers=1), lambda: ContiguousCache(4, num_layers=1)])
+def test_batch_operations_keep_the_cache_writable(factory):
+    cache = factory()
+    keys = torch.arange(3 * 1 * 2 * 1, dtype=torch.float32).view(3, 1, 2, 1)
+    cache.update(keys, keys.clone(), 0)
+    cache.batch_repeat_interleave(2)  # [0, 0, 1, 1, 2, 2]
+    assert torch.equal(cache.layers[0].keys, keys.repeat_interleave(2, dim=0))
+    cache.batch_select_indices(torch.tensor([True, False, False, False, True, False]))  # a mask: rows 0 and 4
+    assert torch.equal(cache.layers[0].keys, keys[[0, 2]])
+    new = torch.full((2, 1, 1, 1), 7.0)
+    out, _ = cache.update(new, new, 0)
+    assert out.shape == (2, 1, 3, 1) and torch.equal(out[:, :, 2], new[:, :, 0])
+
+
+def test_generate_stops_rows_at_eos_independently(tiny_pair):
+    ours, _ = tiny_pair
+    prompt = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    free = ours.generate(prompt, 12, ContiguousCache())
+    eos = int(free[0, 4])  # pretend the token row 0 emits at its 2nd step is EOS
+    out = ours.generate(prompt, 12, ContiguousCache(), eos_token_id=eos, pad_token_id=0)
+    row0 = out[0, 3:].tolist()
+    first = row0.index(eos)
+    assert all(t == 0 for t in row0[first + 1 :])
+    if eos not in free[1, 3:].tolist():  # row 1 never emits it: it runs the full length, unchanged
+        assert out.shape[1] == 15 and torch.equal(out[1], free[1])
+
+
+def test_fp16_left_padding_stays_finite():
+    from memos_ref.model import load_model
+
+    model = load_model(dtype=torch.float16)
+    ids, mask = ByteTokenizer().batch_encode(["x", "def main():\n    return 0\n"])
+    out = model.generate(ids, 8, ContiguousCache(), attention_mask=mask)
+    assert out.shape == (2, ids.shape[1] + 8)
+    with torch.no_grad():
+        assert torch.isfinite(model(ids, attention_mask=mask)).all()

@@ -56,6 +56,28 @@ def test_left_padded_batch_matches_transformers_on_real_tokens(shipped_pair):
     assert torch.isfinite(got).all()  # padding rows stay finite (no -inf softmax)
 
 
+def test_sliding_window_configs_are_refused_past_the_window(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from memos_ref.model import load_model
+
+    cfg = MistralConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=8,
+    )
+    MistralForCausalLM(cfg).save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    assert model.config.sliding_window == 8
+    model(torch.zeros((1, 8), dtype=torch.long))  # within the window: fine
+    with pytest.raises(ConfigError, match="sliding window of 8"):
+        model(torch.zeros((1, 9), dtype=torch.long))
+
+
 def test_bad_inputs_are_rejected(tiny_pair):
     ours, _ = tiny_pair
     with pytest.raises(ShapeError, match=r"\[batch, seq\]"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 
@@ -31,7 +32,7 @@ def test_loads_offline_with_auto_model(shipped_pair):
 def test_heldout_bits_per_byte_beats_unigram_clearly(shipped_pair):
     ours, _ = shipped_pair
     # 32 KiB of the committed held-out text (modules never trained on), scored by the package's forward
-    bpb = bits_per_byte(lambda ids: ours(ids), heldout_text(), window=512, max_bytes=32 * 1024)
+    bpb = bits_per_byte(ours, heldout_text(), window=512, max_bytes=32 * 1024)
     report = training_report()
     assert bpb < 0.6 * report["unigram_bits_per_byte"], (bpb, report)
     assert abs(bpb - report["heldout_bits_per_byte"]) < 0.35  # a slice of the same text, the same model
@@ -45,8 +46,24 @@ def test_heldout_modules_are_never_trained_on():
 
 
 def test_unigram_baseline_is_a_real_cross_entropy():
-    assert abs(unigram_bits_per_byte(["ab"], "ab") - 8.0) < 0.1  # (1+1)/(2+256) per byte -> ~7.0 bits
+    # add-one smoothing: each of "a", "b" has probability (1 + 1) / (2 + 256) = 1/129 -> log2(129) bits
+    assert abs(unigram_bits_per_byte(["ab"], "ab") - 7.0112) < 1e-3
     assert unigram_bits_per_byte(["a" * 10_000], "a" * 100) < 0.1
+
+
+def test_bits_per_byte_scores_every_byte_once_from_its_past():
+    # an oracle that knows the text puts all its mass on the right next byte: 0 bits; uniform: log2(V) bits
+    text = "abcdefgh" * 64
+    uniform = bits_per_byte(lambda ids: torch.zeros(*ids.shape, 264), text, window=64)
+    assert abs(uniform - math.log2(264)) < 1e-6
+    cycle = {ord(a): ord(b) for a, b in zip("abcdefgh", "bcdefgha")} | {ByteTokenizer().bos_id: ord("a")}
+
+    def knows_the_cycle(ids):
+        logits = torch.full((*ids.shape, 264), -1e4)
+        nxt = torch.tensor([[cycle[int(i)] for i in row] for row in ids])
+        return logits.scatter(-1, nxt[..., None], 0.0)
+
+    assert bits_per_byte(knows_the_cycle, text, window=64) < 1e-6
 
 
 def test_completes_python_plausibly():

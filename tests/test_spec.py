@@ -192,4 +192,4 @@ def test_size_identities(layers, kv_heads, head_dim, dtype, block, tokens):
     assert spec.bytes_per_block == block * spec.bytes_per_token
     blocks = spec.blocks_for(tokens)
     assert (blocks - 1) * block < tokens <= blocks * block or (tokens == 0 and blocks == 0)
-    assert spec.bytes_per_token_per_layer * layers == spec.bytes_per_token
+    assert spec.bytes_per_token_per_layer == 2 * kv_heads * head_dim * element

@@ -12,7 +12,10 @@ from types import ModuleType
 __all__ = ["BENCHMARKS", "get"]
 
 #: Benchmark name -> module under memos_ref.bench.
-BENCHMARKS: dict[str, str] = {"decode": "memos_ref.bench.decode"}
+BENCHMARKS: dict[str, str] = {
+    "decode": "memos_ref.bench.decode",
+    "growth": "memos_ref.bench.growth",
+}
 
 
 def get(name: str) -> ModuleType:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -20,7 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="FILE", help="also save a plot (PNG)")
     args = parser.parse_args(argv)
     module = get(args.name)
-    report = module.run(quick=args.quick, progress=sys.stderr.isatty() or not args.json)
+    # Whatever a library prints while measuring goes to stderr: stdout carries only the result.
+    with contextlib.redirect_stdout(sys.stderr):
+        report = module.run(quick=args.quick, progress=sys.stderr.isatty() or not args.json)
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         module.plot(report, args.plot)

@@ -6,6 +6,7 @@ is prefilled untimed, then single-token decode steps are timed one by one (media
 
 Methods, each on a stated forward:
   package forward      — no cache (recompute the whole sequence each step), ConcatCache, ContiguousCache
+                         in both layouts ([B, H, S, D] "HSD" and [B, S, H, D] "SHD": seed 003's layout claim)
   transformers forward — ConcatCache, ContiguousCache, DynamicCache, StaticCache
 ContiguousCache and StaticCache are preallocated to the final length, as a serving system would size them.
 """
@@ -62,6 +63,7 @@ METHODS: tuple[Method, ...] = (
     Method("no_cache", "package", None),
     Method("concat", "package", lambda cfg, n: ConcatCache()),
     Method("contiguous", "package", lambda cfg, n: ContiguousCache(capacity=n)),
+    Method("contiguous_shd", "package", lambda cfg, n: ContiguousCache(capacity=n, layout="SHD")),
     Method("concat", "transformers", lambda cfg, n: ConcatCache()),
     Method("contiguous", "transformers", lambda cfg, n: ContiguousCache(capacity=n)),
     Method("dynamic", "transformers", _dynamic),
@@ -164,6 +166,7 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
         "dynamic_over_contiguous_ms_per_token_at_max_ctx": ("dynamic", "transformers", "transformers"),
         "nocache_over_contiguous_ms_per_token_at_max_ctx": ("no_cache", "package", "package"),
         "static_over_contiguous_ms_per_token_at_max_ctx": ("static", "transformers", "transformers"),
+        "shd_over_hsd_layout_ms_per_token_at_max_ctx": ("contiguous_shd", "package", "package"),
     }.items():
         summary[key] = {m: round(at(m, num, num_fwd, top) / at(m, "contiguous", den_fwd, top), 3) for m in models}
     summary["kv_bytes_per_token"] = {m: models[m][0].kv_spec().bytes_per_token for m in models}

@@ -16,7 +16,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from memos_ref.errors import DeviceError, DTypeError, LayerIndexError, ShapeError
 
-__all__ = ["MemosCache", "check_new_kv"]
+__all__ = ["MAX_LAZY_LAYERS", "MemosCache", "check_new_kv"]
+
+#: Without ``num_layers``, layers are created on first use; an index past this is surely a mistake.
+MAX_LAZY_LAYERS = 1024
 
 
 def check_new_kv(layer: CacheLayerMixin, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -72,12 +75,25 @@ class MemosCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new K/V ``[B, H_kv, S_new, D]`` of layer ``layer_idx``; return all of that layer's K/V."""
-        if not isinstance(layer_idx, int) or layer_idx < 0:
+        """Store the new K/V ``[B, H_kv, S_new, D]`` of layer ``layer_idx``; return all of that layer's K/V.
+
+        A rejected call leaves the cache exactly as it was, including layers it would have created.
+        """
+        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or layer_idx < 0:
             raise LayerIndexError(f"layer_idx must be an int >= 0, got {layer_idx!r}")
         if self.num_layers is not None and layer_idx >= self.num_layers:
             raise LayerIndexError(f"layer_idx {layer_idx} is out of range: this cache has {self.num_layers} layers")
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if self.num_layers is None and layer_idx >= MAX_LAZY_LAYERS:
+            raise LayerIndexError(
+                f"layer_idx {layer_idx} is beyond {MAX_LAZY_LAYERS - 1}, the largest a lazily grown cache accepts; "
+                f"pass num_layers to bound the cache explicitly"
+            )
+        layers_before = len(self.layers)
+        try:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except Exception:
+            del self.layers[layers_before:]  # undo lazily created layers
+            raise
 
     # ------------------------------------------------------------------ accounting
     @property

@@ -40,6 +40,22 @@ class ConcatLayer(DynamicLayer):
         self.bytes_copied += self.keys.nbytes + self.values.nbytes
         return self.keys, self.values
 
+    def _sync_batch(self) -> None:
+        if self.is_initialized and self.keys is not None and self.keys.ndim == 4:
+            self.batch_size = self.keys.shape[0]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._sync_batch()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._sync_batch()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._sync_batch()
+
     def nbytes_used(self) -> int:
         return 0 if not self.is_initialized else self.keys.nbytes + self.values.nbytes
 

@@ -47,6 +47,12 @@ def _validate_options(capacity: int, growth_factor: float | None, layout: str) -
         raise ConfigError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
+class _Uninitialized:
+    """Stand-in layer for checking K/V on their own (no stored geometry to match)."""
+
+    is_initialized = False
+
+
 class ContiguousLayer(CacheLayerMixin):
     """One layer's preallocated K and V buffers and the count of valid tokens in them."""
 
@@ -79,8 +85,7 @@ class ContiguousLayer(CacheLayerMixin):
         return buf[:, start:stop].transpose(1, 2)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.batch_size, self.num_heads, new_tokens, self.head_dim = key_states.shape
-        self.dtype, self.device = key_states.dtype, key_states.device
+        new_tokens = key_states.shape[2]
         if self.growth_factor is None and new_tokens > self.capacity:
             raise CapacityExceededError(
                 f"prefill of {new_tokens} tokens exceeds the fixed capacity of {self.capacity} tokens; pass a "
@@ -88,9 +93,22 @@ class ContiguousLayer(CacheLayerMixin):
                 needed=new_tokens,
                 capacity=self.capacity,
             )
+        self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
         self.capacity = max(self.capacity, new_tokens)
         self._k, self._v = self._alloc(self.capacity, key_states), self._alloc(self.capacity, value_states)
+        self.valid_len = 0
         self.is_initialized = True
+
+    def _fits(self, key_states: torch.Tensor) -> bool:
+        b, h, _, d = key_states.shape
+        return (b, h, d, key_states.dtype, key_states.device) == (
+            self.batch_size,
+            self.num_heads,
+            self.head_dim,
+            self.dtype,
+            self.device,
+        )
 
     def _grow(self, needed: int) -> None:
         if self.growth_factor is None:
@@ -114,6 +132,10 @@ class ContiguousLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new ``[B, H, S_new, D]`` K/V at ``valid_len`` (growing first if needed)."""
+        if self.is_initialized and self.valid_len == 0 and key_states.ndim == 4 and not self._fits(key_states):
+            # empty after reset(): any batch/geometry may start afresh (the old buffers are dropped)
+            check_new_kv(_Uninitialized(), key_states, value_states)
+            self.lazy_initialization(key_states, value_states)
         check_new_kv(self, key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -138,7 +160,7 @@ class ContiguousLayer(CacheLayerMixin):
         return self.capacity if self.growth_factor is None else -1
 
     def reset(self) -> None:
-        """Forget every token; keep the buffers for reuse."""
+        """Forget every token; keep the buffers for reuse (a different batch or geometry reallocates)."""
         self.valid_len = 0
         if self.is_initialized:
             self.keys, self.values = self._slot(self._k, 0, 0), self._slot(self._v, 0, 0)
@@ -163,7 +185,10 @@ class ContiguousLayer(CacheLayerMixin):
         self._reindex_batch(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._reindex_batch(torch.as_tensor(indices, dtype=torch.long))
+        indices = torch.as_tensor(indices)
+        if indices.dtype == torch.bool:  # a mask, as transformers' DynamicLayer accepts
+            indices = indices.nonzero().flatten()
+        self._reindex_batch(indices.long())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:

@@ -27,20 +27,23 @@ def bits_per_byte(
 ) -> float:
     """Mean bits per byte of ``text`` under ``logits_fn(ids [B, S]) -> logits [B, S, V]``.
 
-    The text is cut into non-overlapping windows of ``window`` bytes, each scored after a BOS token, so
-    every byte is predicted exactly once with at most ``window`` bytes of context.
+    The text is cut into non-overlapping windows of ``window`` bytes; each window is fed shifted by one
+    (its input starts with the byte before it, or BOS for the very first window, the start of the text), so
+    every byte is predicted exactly once from the bytes before it in its window. Keep ``window`` within the
+    model's training length.
     """
     tok = ByteTokenizer()
     data = text.encode("utf-8")[: max_bytes or None]
     usable = (len(data) // window) * window
     if usable == 0:
         raise ValueError(f"text has {len(data)} bytes, fewer than one window of {window}")
-    chunks = torch.tensor(list(data[:usable]), dtype=torch.long).view(-1, window)  # [N, window]
+    stream = torch.tensor([tok.bos_id, *data[:usable]], dtype=torch.long)  # [1 + usable]
+    inputs_all = stream[:-1].view(-1, window)  # [N, window]: byte i-1 predicts byte i
+    targets_all = stream[1:].view(-1, window)  # [N, window]
     total_nll = 0.0
-    for start in range(0, chunks.shape[0], batch_size):
-        targets = chunks[start : start + batch_size]  # [B, window]
-        bos = torch.full((targets.shape[0], 1), tok.bos_id, dtype=torch.long)
-        inputs = torch.cat([bos, targets[:, :-1]], dim=1)  # [B, window]
+    for start in range(0, targets_all.shape[0], batch_size):
+        inputs = inputs_all[start : start + batch_size]
+        targets = targets_all[start : start + batch_size]
         logits = logits_fn(inputs).float()  # [B, window, V]
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"

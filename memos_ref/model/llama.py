@@ -51,6 +51,9 @@ class LlamaConfig:
     mlp_bias: bool = False
     model_type: str = "llama"
     dtype: str = "float32"
+    #: Set for Mistral/Qwen2 configs with a sliding window; sequences longer than it are refused (full
+    #: attention and sliding-window attention agree only while the sequence fits in the window).
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: Mapping[str, Any]) -> LlamaConfig:
@@ -62,8 +65,11 @@ class LlamaConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ConfigError(f"rope type {rope_type!r} is not supported by the teaching forward: expected 'default'")
-        if model_type == "mistral" and cfg.get("sliding_window"):
-            pass  # generation shorter than the window is identical; longer is not supported (see docstring)
+        window = None
+        if (model_type == "mistral" and cfg.get("sliding_window")) or (
+            model_type == "qwen2" and cfg.get("use_sliding_window") and cfg.get("sliding_window")
+        ):
+            window = int(cfg["sliding_window"])
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
         spec = KVSpec.from_hf_config(cfg, dtype="float32")
@@ -84,6 +90,7 @@ class LlamaConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             model_type=model_type,
             dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            sliding_window=window,
         )
 
     def kv_spec(self, dtype: torch.dtype = torch.float32, block_size: int = 16) -> KVSpec:
@@ -140,9 +147,9 @@ class Attention(nn.Module):
             k, v = cache.update(k, v, self.layer_idx)  # [B, Hkv, past + S, D]
         group = hq // hkv  # query heads sharing one KV head (GQA)
         q = q.reshape(b, hkv, group * s, d)  # [B, Hkv, G·S, D]: group the query heads of each KV head
-        scores = q @ k.transpose(-1, -2) / math.sqrt(d)  # [B, Hkv, G·S, T]
+        scores = (q @ k.transpose(-1, -2)).float() / math.sqrt(d)  # [B, Hkv, G·S, T], fp32
         scores = scores.view(b, hkv, group, s, -1) + mask[:, None, None]  # [B, Hkv, G, S, T]
-        probs = scores.float().softmax(dim=-1).to(v.dtype)
+        probs = scores.softmax(dim=-1).to(v.dtype)
         out = probs.view(b, hkv, group * s, -1) @ v  # [B, Hkv, G·S, D]
         out = out.view(b, hq, s, d).transpose(1, 2).reshape(b, s, hq * d)  # [B, S, Hq·D]
         return self.o_proj(out)
@@ -228,6 +235,12 @@ class LlamaForward(nn.Module):
         b, s = input_ids.shape
         past = cache.get_seq_length() if cache is not None else 0
         total = past + s
+        window = self.config.sliding_window
+        if window is not None and total > window:
+            raise ConfigError(
+                f"sequence of {total} tokens exceeds the model's sliding window of {window}; the teaching forward "
+                f"implements full attention only, which equals sliding-window attention up to the window"
+            )
         if attention_mask is not None and tuple(attention_mask.shape) != (b, total):
             raise ShapeError(
                 f"attention_mask must be [batch, past + seq] = {(b, total)}, got {tuple(attention_mask.shape)}"
@@ -240,25 +253,26 @@ class LlamaForward(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [B, S, hidden]
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        mask = self._mask(b, s, past, attention_mask, x.dtype, x.device)  # [B, S, past + S]
+        mask = self._mask(b, s, past, attention_mask, x.device)  # [B, S, past + S], fp32
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask, cache)
         return self.lm_head(self.model.norm(x))
 
     @staticmethod
-    def _mask(b, s, past, attention_mask, dtype, device) -> torch.Tensor:
-        """Additive mask: query i (absolute past + i) sees key j iff j <= past + i and j is not padding.
+    def _mask(b, s, past, attention_mask, device) -> torch.Tensor:
+        """Additive fp32 mask: query i (absolute past + i) sees key j iff j <= past + i and j is not padding.
 
-        Masked entries get the dtype's most negative finite value, not -inf, so that a fully masked row
-        (a padding query) stays finite instead of turning into NaN and poisoning later layers.
+        Masked entries get float32's most negative finite value, not -inf, and scores are added to it in
+        fp32, so a fully masked row (a padding query) stays finite instead of turning into NaN and
+        poisoning later layers through its cached K/V (in fp16 the sum would overflow to -inf).
         """
         q_pos = torch.arange(past, past + s, device=device)[:, None]  # [S, 1]
         k_pos = torch.arange(past + s, device=device)[None, :]  # [1, T]
         allowed = (k_pos <= q_pos)[None].expand(b, s, past + s)  # [B, S, T]
         if attention_mask is not None:
             allowed = allowed & attention_mask.bool()[:, None, :]
-        neg = torch.finfo(dtype).min
-        return torch.zeros((b, s, past + s), dtype=dtype, device=device).masked_fill(~allowed, neg)
+        neg = torch.finfo(torch.float32).min
+        return torch.zeros((b, s, past + s), dtype=torch.float32, device=device).masked_fill(~allowed, neg)
 
     @torch.no_grad()
     def generate(
@@ -269,25 +283,32 @@ class LlamaForward(nn.Module):
         *,
         attention_mask: torch.Tensor | None = None,
         eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
     ) -> torch.Tensor:
         """Greedy decoding. With ``cache`` the prompt is prefilled once and each step feeds one token; with
         ``cache=None`` every step recomputes the whole sequence (the no-cache baseline).
 
-        Returns the prompt followed by the new tokens ``[B, S + n]``.
+        A row that has produced ``eos_token_id`` is filled with ``pad_token_id`` (default: the EOS id) from
+        then on; decoding stops when every row has finished. Returns prompt + new tokens ``[B, S + n]``.
         """
         ids = input_ids
         mask = attention_mask
         step_input = ids
+        finished = torch.zeros(ids.shape[0], 1, dtype=torch.bool, device=ids.device)
+        filler = eos_token_id if pad_token_id is None else pad_token_id
         for _ in range(max_new_tokens):
             if cache is None:
                 logits = self(ids, attention_mask=mask)
             else:
                 logits = self(step_input, cache, attention_mask=mask)
             next_id = logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+            if eos_token_id is not None:
+                next_id = next_id.masked_fill(finished, filler)
+                finished = finished | (next_id == eos_token_id)
             ids = torch.cat([ids, next_id], dim=1)
             step_input = next_id
             if mask is not None:
                 mask = torch.cat([mask, torch.ones_like(next_id)], dim=1)
-            if eos_token_id is not None and bool((next_id == eos_token_id).all()):
+            if eos_token_id is not None and bool(finished.all()):
                 break
         return ids

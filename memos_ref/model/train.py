@@ -61,13 +61,13 @@ def _token_stream(tok: ByteTokenizer) -> torch.Tensor:
 def train(
     *,
     out: Path = DEFAULT_OUT,
-    steps: int = 1600,
-    batch_size: int = 16,
-    seq_len: int = 256,
+    steps: int = 1700,
+    batch_size: int = 4,
+    seq_len: int = 1024,
     lr: float = 2e-3,
     seed: int = 0,
     threads: int = 2,
-    max_minutes: float = 28.0,
+    max_minutes: float = 30.0,
 ) -> dict:
     """Train, evaluate on the held-out text, save; return the training report."""
     from transformers import LlamaForCausalLM
@@ -149,13 +149,13 @@ def train(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: the shipped one)")
-    parser.add_argument("--steps", type=int, default=1600)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=1700)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-minutes", type=float, default=28.0)
+    parser.add_argument("--max-minutes", type=float, default=30.0)
     args = parser.parse_args(argv)
     report = train(
         out=args.out,
