@@ -42,7 +42,7 @@ def test_decode_quick_json_contract(quick_decode):
     # deterministic figure: a contiguous cache preallocated to max_len holds exactly that many tokens
     row = next(r for r in report["results"] if r["method"] == "contiguous" and r["model"] == "wide")
     cfg = report["config"]
-    assert row["kv_bytes"] == (row["context"] + cfg["warmup_steps"] + cfg["timed_steps"] + 1) * 65536
+    assert row["kv_bytes"] == (row["context"] + cfg["warmup_steps"] + cfg["timed_steps"] + 1) * 2 * 8 * 8 * 64 * 4
 
 
 @pytest.mark.parametrize("name", sorted(set(BENCHMARKS) - {"decode"}))

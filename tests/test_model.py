@@ -55,7 +55,7 @@ def test_bits_per_byte_scores_every_byte_once_from_its_past():
     # an oracle that knows the text puts all its mass on the right next byte: 0 bits; uniform: log2(V) bits
     text = "abcdefgh" * 64
     uniform = bits_per_byte(lambda ids: torch.zeros(*ids.shape, 264), text, window=64)
-    assert abs(uniform - math.log2(264)) < 1e-6
+    assert abs(uniform - math.log2(264)) < 1e-5  # float32 cross-entropy
     cycle = {ord(a): ord(b) for a, b in zip("abcdefgh", "bcdefgha")} | {ByteTokenizer().bos_id: ord("a")}
 
     def knows_the_cycle(ids):
@@ -68,12 +68,14 @@ def test_bits_per_byte_scores_every_byte_once_from_its_past():
 
 def test_completes_python_plausibly():
     model, tok = load_model(), ByteTokenizer()
-    out = model.generate(tok("import os\nimport sys\n\n\ndef main():\n    "), 80)
+    out = model.generate(tok("class Stack:\n    def __init__(self):\n"), 80)
     completion = tok.decode(out[0, 1:])
     # a model that learned Python indents, calls, and names things; a random one produces byte soup
     printable = sum(c.isprintable() or c in "\n\t" for c in completion) / len(completion)
     assert printable > 0.98
-    assert any(token in completion[40:] for token in ("(", "=", "return", "self", "if ")), completion
+    new = completion[len("class Stack:\n    def __init__(self):\n") :]
+    assert new.startswith("        "), completion  # indents the body of the method
+    assert any(token in new for token in ("self.", "return", "(")), completion
 
 
 def test_train_script_runs_end_to_end(tmp_path):

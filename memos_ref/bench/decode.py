@@ -29,7 +29,7 @@ from memos_ref.model.tokenizer import ByteTokenizer
 
 __all__ = ["METHODS", "WIDE_CONFIG", "run"]
 
-#: The random-init model whose KV is large enough to matter: 64 KiB per token in fp32.
+#: The random-init model whose KV is large enough to matter: 32 KiB per token in fp32.
 WIDE_CONFIG = dict(
     hidden_size=512,
     intermediate_size=1024,
