@@ -93,3 +93,11 @@ class BackendUnavailableError(KVCacheError):
 
 class ModelMismatchError(CorruptCacheError):
     """Stored KV data belongs to a different model fingerprint or KVSpec than the one loading it."""
+
+
+class InvariantError(KVCacheError, AssertionError):
+    """The allocator, the block tables and the prefix cache disagree (a bug); carries the offending block ids."""
+
+    def __init__(self, message: str, blocks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.blocks = blocks or []

@@ -1,0 +1,20 @@
+"""Paged KV blocks: the pool, the O(1) allocator, block tables, the prefix cache and the invariant checker."""
+
+from memos_ref.paged.allocator import BlockAllocator, BlockState
+from memos_ref.paged.check import check_invariants
+from memos_ref.paged.pool import BlockPool
+from memos_ref.paged.prefix import PrefixCache, block_hashes
+from memos_ref.paged.sequence import UNKNOWN_TOKEN, SequenceCache
+from memos_ref.paged.store import PagedKV
+
+__all__ = [
+    "UNKNOWN_TOKEN",
+    "BlockAllocator",
+    "BlockPool",
+    "BlockState",
+    "PagedKV",
+    "PrefixCache",
+    "SequenceCache",
+    "block_hashes",
+    "check_invariants",
+]

@@ -1,0 +1,71 @@
+"""The invariant checker (seed 000 §6.2): the allocator, the block tables and the prefix cache must agree.
+
+Checked, each failure naming the offending block ids:
+
+1. refcount of every block = number of block-table entries that hold it;
+2. no block both free (or cached) and held; every block in a table is active;
+3. no block writable in place by two sequences (a partly filled tail shared by two must have refcount >= 2,
+   so it is copied on write — implied by 1, checked explicitly for a clear message);
+4. free + active + cached = total, and the free and cached lists hold exactly the blocks in those states;
+5. every prefix-cached block is active or cached, never free.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from memos_ref.errors import InvariantError
+from memos_ref.paged.allocator import BlockAllocator, BlockState
+from memos_ref.paged.prefix import PrefixCache
+from memos_ref.paged.sequence import SequenceCache
+
+__all__ = ["check_invariants"]
+
+
+def check_invariants(
+    allocator: BlockAllocator, sequences: Iterable[SequenceCache], prefix_cache: PrefixCache | None = None
+) -> None:
+    """Raise :class:`InvariantError` if any invariant is broken; return None otherwise."""
+    sequences = list(sequences)
+    with allocator._lock:
+        holders: Counter[int] = Counter()
+        for seq in sequences:
+            holders.update(seq.block_table)
+            dupes = [b for b, n in Counter(seq.block_table).items() if n > 1]
+            if dupes:
+                raise InvariantError(f"sequence {seq.seq_id} lists blocks {dupes} more than once", dupes)
+        bad = [b for b in range(allocator.num_blocks) if allocator.refcount[b] != holders.get(b, 0)]
+        if bad:
+            detail = ", ".join(f"{b}: refcount {allocator.refcount[b]} vs {holders.get(b, 0)} holders" for b in bad[:8])
+            raise InvariantError(f"refcount != number of holders for blocks {bad[:8]} ({detail})", bad)
+        not_live = sorted(b for b in holders if allocator.state[b] != BlockState.ACTIVE)
+        if not_live:
+            raise InvariantError(f"blocks {not_live} are held by a sequence but are free or cached", not_live)
+        tails: Counter[int] = Counter()
+        for seq in sequences:
+            if seq.num_tokens % seq.block_size and seq.block_table:
+                tails[seq.block_table[-1]] += 1
+        shared_writable = [b for b, n in tails.items() if n > 1 and allocator.refcount[b] < n]
+        if shared_writable:
+            raise InvariantError(
+                f"partly filled blocks {shared_writable} are writable by several sequences", shared_writable
+            )
+        states = Counter(allocator.state)
+        free, cached = allocator.free_blocks(), allocator.cached_blocks()
+        if sorted(free) != [b for b in range(allocator.num_blocks) if allocator.state[b] == BlockState.FREE]:
+            raise InvariantError(
+                "the free list does not hold exactly the free blocks",
+                sorted(set(free) ^ {b for b, s in enumerate(allocator.state) if s == BlockState.FREE}),
+            )
+        if sorted(cached) != [b for b in range(allocator.num_blocks) if allocator.state[b] == BlockState.CACHED]:
+            raise InvariantError("the cached list does not hold exactly the cached blocks")
+        if states[BlockState.FREE] + states[BlockState.ACTIVE] + states[BlockState.CACHED] != allocator.num_blocks:
+            raise InvariantError("free + active + cached != total")
+        cached_not_ok = [b for b in cached if allocator.refcount[b] != 0 or not allocator.cacheable[b]]
+        if cached_not_ok:
+            raise InvariantError(f"cached blocks {cached_not_ok} have holders or no prefix", cached_not_ok)
+        if prefix_cache is not None:
+            stale = sorted(b for b in prefix_cache._hash_of if allocator.state[b] == BlockState.FREE)
+            if stale:
+                raise InvariantError(f"prefix-cached blocks {stale} are on the free list", stale)

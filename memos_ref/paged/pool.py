@@ -1,0 +1,168 @@
+"""BlockPool: the KV memory itself, in the canonical layout ``[num_blocks, L, 2, H, T, D]``.
+
+One block is one contiguous range of bytes holding ``T`` tokens' keys and values for *every* layer, so moving
+a block between tiers is one copy, and the layout is TensorRT-LLM's paged-pool layout (export is a view).
+Inside a layer a block is head-major ``[H, T, D]``.
+
+The pool is allocated once. When one contiguous allocation is not possible (seed 000 §6.1) it can be built
+from, or grown by, *segments*: several tensors of the same block shape whose block ids follow one another.
+Every operation takes global block ids and works across segments.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memos_ref.errors import ConfigError, DeviceError, DTypeError, InvalidBlockError, ShapeError
+from memos_ref.spec import KVSpec
+
+__all__ = ["POISON", "BlockPool"]
+
+#: Value written into freed blocks in debug mode, so a use-after-free shows as NaN in the output.
+POISON = float("nan")
+
+
+class BlockPool:
+    """Preallocated KV blocks for one model.
+
+    Args:
+        spec: the model's KV geometry (layers, KV heads, head dim, dtype, block size).
+        num_blocks: blocks to allocate; or give ``byte_budget`` instead.
+        byte_budget: allocate as many whole blocks as fit in this many bytes.
+        segments: split the initial allocation into this many tensors (to exercise and teach segmenting).
+        device: where the blocks live.
+    """
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_blocks: int | None = None,
+        *,
+        byte_budget: int | None = None,
+        segments: int = 1,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if (num_blocks is None) == (byte_budget is None):
+            raise ConfigError("give exactly one of num_blocks or byte_budget")
+        if byte_budget is not None:
+            num_blocks = byte_budget // spec.bytes_per_block
+            if num_blocks <= 0:
+                raise ConfigError(f"byte_budget {byte_budget} is smaller than one block ({spec.bytes_per_block} bytes)")
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if not isinstance(segments, int) or not 1 <= segments <= num_blocks:
+            raise ConfigError(f"segments must be an int in [1, num_blocks={num_blocks}], got {segments!r}")
+        self.spec = spec
+        self.device = torch.device(device)
+        self.segments: list[torch.Tensor] = []  # each [n_i, L, 2, H, T, D]
+        self._starts: list[int] = []  # global id of each segment's first block
+        base, extra = divmod(num_blocks, segments)
+        for i in range(segments):
+            self._add_segment(base + (1 if i < extra else 0))
+
+    # ------------------------------------------------------------------ structure
+    def _add_segment(self, n: int) -> None:
+        self._starts.append(self.num_blocks)
+        self.segments.append(torch.zeros((n, *self.spec.block_shape), dtype=self.spec.dtype, device=self.device))
+
+    def grow(self, n: int) -> range:
+        """Add a segment of ``n`` blocks; returns the new block ids (append them to the allocator)."""
+        if not isinstance(n, int) or n <= 0:
+            raise ConfigError(f"growth must be a positive number of blocks, got {n!r}")
+        start = self.num_blocks
+        self._add_segment(n)
+        return range(start, start + n)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(seg.shape[0] for seg in self.segments)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(seg.nbytes for seg in self.segments)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The whole pool ``[num_blocks, L, 2, H, T, D]`` — only when it is a single segment (no copy)."""
+        if len(self.segments) != 1:
+            raise ConfigError(f"the pool has {len(self.segments)} segments; use block() or gather() instead")
+        return self.segments[0]
+
+    def _locate(self, block: int) -> tuple[torch.Tensor, int]:
+        if not isinstance(block, int) or not 0 <= block < self.num_blocks:
+            raise InvalidBlockError(f"block id {block!r} is not in [0, {self.num_blocks})")
+        for start, seg in zip(reversed(self._starts), reversed(self.segments)):
+            if block >= start:
+                return seg, block - start
+        raise AssertionError("unreachable")
+
+    def block(self, block: int) -> torch.Tensor:
+        """A view of one block ``[L, 2, H, T, D]``."""
+        seg, local = self._locate(block)
+        return seg[local]
+
+    def layer_view(self, layer: int, segment: int = 0) -> torch.Tensor:
+        """Per-layer view of a segment ``[n, 2, H, T, D]`` (K at ``[:, 0]``, V at ``[:, 1]``) — no copy."""
+        if not 0 <= layer < self.spec.num_layers:
+            raise ConfigError(f"layer {layer} is not in [0, {self.spec.num_layers})")
+        return self.segments[segment][:, layer]
+
+    def _index(self, blocks: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Split global ids into (segment, positions in ``blocks``, local ids) groups."""
+        groups = []
+        for start, seg in zip(self._starts, self.segments):
+            inside = (blocks >= start) & (blocks < start + seg.shape[0])
+            if bool(inside.any()):
+                where = inside.nonzero().flatten()
+                groups.append((seg, where, blocks[where] - start))
+        return groups
+
+    # ------------------------------------------------------------------ data movement
+    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Scatter one layer's K/V ``[n, H, D]`` into ``slots [n]`` (slot = block · T + offset; -1 skips)."""
+        h, d = self.spec.num_kv_heads, self.spec.head_dim
+        if key.shape != value.shape or key.ndim != 3 or key.shape[1:] != (h, d):
+            raise ShapeError(
+                f"key/value must both be [tokens, kv_heads={h}, head_dim={d}], got {tuple(key.shape)} and "
+                f"{tuple(value.shape)}"
+            )
+        if key.dtype != self.spec.dtype or value.dtype != self.spec.dtype:
+            raise DTypeError(f"key/value dtype {key.dtype}/{value.dtype} does not match the pool's {self.spec.dtype}")
+        if key.device != self.device:
+            raise DeviceError(f"key device {key.device} does not match the pool's {self.device}")
+        if slots.shape != (key.shape[0],):
+            raise ShapeError(f"slots must be [{key.shape[0]}], got {tuple(slots.shape)}")
+        t = self.spec.block_size
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+        blocks, offsets = slots // t, slots % t
+        for seg, where, local in self._index(blocks):
+            kv = seg[:, layer]  # [n, 2, H, T, D]
+            kv[local, 0, :, offsets[where]] = key[where]
+            kv[local, 1, :, offsets[where]] = value[where]
+
+    def gather(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``num_tokens`` keys and values of a sequence, densely: ``[H, num_tokens, D]`` each (a copy)."""
+        n_blocks = -(-num_tokens // self.spec.block_size)
+        blocks = block_table[:n_blocks]
+        if len(self.segments) == 1:
+            kv = self.segments[0][blocks, layer]  # [n, 2, H, T, D]
+        else:
+            kv = torch.empty((n_blocks, 2, *self.spec.block_shape[2:]), dtype=self.spec.dtype, device=self.device)
+            for seg, where, local in self._index(blocks):
+                kv[where] = seg[local, layer]
+        h, d = self.spec.num_kv_heads, self.spec.head_dim
+        k = kv[:, 0].permute(1, 0, 2, 3).reshape(h, -1, d)[:, :num_tokens]  # [H, n·T, D] -> [H, S, D]
+        v = kv[:, 1].permute(1, 0, 2, 3).reshape(h, -1, d)[:, :num_tokens]
+        return k, v
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's contents (all layers) onto another: the copy of copy-on-write."""
+        self.block(dst).copy_(self.block(src))
+
+    def poison(self, block: int) -> None:
+        """Fill a block with NaN (debug mode: makes a use-after-free visible)."""
+        if self.spec.dtype.is_floating_point:
+            self.block(block).fill_(POISON)
+        else:
+            self.block(block).fill_(-1)

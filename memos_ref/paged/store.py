@@ -1,0 +1,82 @@
+"""PagedKV: one model's paged KV memory — pool, allocator, prefix cache and the live sequences together.
+
+This is what an engine or a session manager holds: it creates sequences, looks prompts up in the prefix
+cache, and checks the invariants over everything alive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from memos_ref.paged.allocator import BlockAllocator
+from memos_ref.paged.check import check_invariants
+from memos_ref.paged.pool import BlockPool
+from memos_ref.paged.prefix import PrefixCache
+from memos_ref.paged.sequence import SequenceCache
+from memos_ref.spec import KVSpec
+
+__all__ = ["PagedKV"]
+
+
+class PagedKV:
+    """Pool + allocator + prefix cache + registry of live sequences.
+
+    Args:
+        spec: KV geometry (its ``block_size`` is the block size).
+        num_blocks / byte_budget / segments / device: passed to :class:`BlockPool`.
+        fingerprint: model fingerprint mixed into prefix hashes (KV of one model never serves another).
+        prefix_caching: keep full blocks content-addressed for reuse.
+        debug: poison freed blocks with NaN so a use-after-free shows in the output.
+    """
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_blocks: int | None = None,
+        *,
+        byte_budget: int | None = None,
+        segments: int = 1,
+        device: str | torch.device = "cpu",
+        fingerprint: str = "",
+        prefix_caching: bool = True,
+        debug: bool = False,
+    ) -> None:
+        self.spec = spec
+        self.pool = BlockPool(spec, num_blocks, byte_budget=byte_budget, segments=segments, device=device)
+        self.allocator = BlockAllocator(self.pool.num_blocks, on_free=self.pool.poison if debug else None)
+        self.prefix_cache = (
+            PrefixCache(self.allocator, spec.block_size, fingerprint=fingerprint) if prefix_caching else None
+        )
+        self.sequences: dict[int, SequenceCache] = {}
+
+    def new_sequence(self, cache_salt: str | None = None) -> SequenceCache:
+        """An empty sequence over this memory."""
+        return SequenceCache(
+            self.pool, self.allocator, self.prefix_cache, cache_salt=cache_salt, registry=self.sequences
+        )
+
+    def start_from_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> SequenceCache:
+        """A new sequence holding the longest cached prefix of ``token_ids`` (possibly none); its
+        ``num_tokens`` says how many tokens need no computing."""
+        seq = self.new_sequence(cache_salt)
+        if self.prefix_cache is not None:
+            blocks = self.prefix_cache.lookup(token_ids, cache_salt)
+            seq.adopt_prefix(blocks, token_ids)
+        return seq
+
+    def check(self) -> None:
+        """Run the invariant checker over every live sequence."""
+        check_invariants(self.allocator, list(self.sequences.values()), self.prefix_cache)
+
+    def stats(self) -> dict[str, Any]:
+        """Block counts, slot utilization and prefix hit accounting."""
+        stats: dict[str, Any] = dict(self.allocator.stats())
+        held_slots = sum(seq.num_blocks for seq in self.sequences.values()) * self.spec.block_size
+        filled = sum(seq.num_tokens for seq in self.sequences.values())
+        stats["slot_utilization"] = filled / held_slots if held_slots else 1.0
+        if self.prefix_cache is not None:
+            stats.update(self.prefix_cache.stats())
+        return stats
