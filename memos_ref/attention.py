@@ -71,7 +71,7 @@ def paged_attention(
     Returns:
         ``[B, Hq, Q, D]``; rows past a sequence's ``query_lens`` are zero.
     """
-    b, hq, nq, d = query.shape
+    b, _, nq, d = query.shape
     if key_cache.shape != value_cache.shape or key_cache.ndim != 4 or key_cache.shape[3] != d:
         raise ShapeError(
             f"key/value caches must both be [num_blocks, kv_heads, block_size, head_dim={d}], got "

@@ -1,0 +1,138 @@
+"""Stateful and threaded tests: random allocate / append / fork / truncate / free / prefix-lookup sequences,
+with the invariant checker and a content oracle after every step."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from memos_ref.errors import OutOfBlocksError
+from memos_ref.paged import PagedKV
+from memos_ref.spec import KVSpec
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, block_size=8)
+
+
+def kv_values(ids: list[int], start: int, layer: int) -> torch.Tensor:
+    """K/V as a function of (token, position, layer) only — so shared prefixes must hold equal values."""
+    pos = torch.arange(start, start + len(ids), dtype=torch.float32)
+    tok = torch.tensor(ids, dtype=torch.float32)
+    base = tok * 1000 + pos + 0.25 * layer  # [n]
+    return torch.stack([base, -base], dim=-1)[None]  # [H=1, n, D=2]
+
+
+def append_tokens(seq, ids: list[int]) -> None:
+    for layer in range(SPEC.num_layers):
+        values = kv_values(ids, seq.num_tokens if layer == 0 else seq.layer_tokens[layer], layer)
+        seq.append(layer, values, -values, ids)
+
+
+class PagedMachine(RuleBasedStateMachine):
+    sequences = Bundle("sequences")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = PagedKV(SPEC, 24, fingerprint="stateful")
+
+    @rule(target=sequences, salt=st.sampled_from([None, "t1"]))
+    def new(self, salt):
+        return self.kv.new_sequence(cache_salt=salt)
+
+    @rule(seq=sequences, ids=st.lists(st.integers(0, 3), min_size=1, max_size=20))
+    def append(self, seq, ids):
+        if seq._freed:
+            return
+        table, n = list(seq.block_table), seq.num_tokens
+        try:
+            append_tokens(seq, ids)
+        except OutOfBlocksError:
+            assert seq.block_table == table and seq.num_tokens == n
+
+    @rule(target=sequences, seq=sequences)
+    def fork(self, seq):
+        return seq if seq._freed else seq.fork()
+
+    @rule(seq=sequences, keep=st.floats(0, 1))
+    def truncate(self, seq, keep):
+        if not seq._freed:
+            seq.truncate(int(seq.num_tokens * keep))
+
+    @rule(seq=consumes(sequences))
+    def free(self, seq):
+        seq.free()
+
+    @rule(target=sequences, seq=sequences, extra=st.lists(st.integers(0, 3), min_size=1, max_size=9))
+    def lookup(self, seq, extra):
+        ids = [*seq.token_ids, *extra]
+        hit = self.kv.start_from_prefix(ids, cache_salt=seq.cache_salt)
+        assert hit.num_tokens <= len(ids) - 1 and hit.num_tokens % SPEC.block_size == 0
+        try:
+            append_tokens(hit, ids[hit.num_tokens :])
+        except OutOfBlocksError:
+            pass
+        return hit
+
+    @invariant()
+    def consistent(self):
+        self.kv.check()
+        for seq in self.kv.sequences.values():
+            for layer in range(SPEC.num_layers):
+                k, v = seq.to_dense(layer)
+                expected = kv_values(seq.token_ids, 0, layer)
+                assert torch.equal(k, expected) and torch.equal(v, -expected), (seq, layer)
+
+
+TestPagedMachine = PagedMachine.TestCase
+TestPagedMachine.settings = settings(max_examples=250, stateful_step_count=30, deadline=None)
+
+
+def test_threads_share_one_paged_memory():
+    kv = PagedKV(SPEC, 128, fingerprint="threads")
+    errors: list[BaseException] = []
+    prompts = [[1, 2, 3, 0] * 6, [3, 2, 1, 0] * 6]
+
+    def worker(seed: int) -> None:
+        rng, mine = random.Random(seed), []
+        try:
+            for _ in range(250):
+                op = rng.random()
+                try:
+                    if op < 0.3 or not mine:
+                        prompt = rng.choice(prompts)
+                        seq = kv.start_from_prefix(prompt)
+                        append_tokens(seq, prompt[seq.num_tokens :])
+                        mine.append(seq)
+                    elif op < 0.6:
+                        append_tokens(rng.choice(mine), [rng.randint(0, 3) for _ in range(rng.randint(1, 9))])
+                    elif op < 0.75:
+                        mine.append(rng.choice(mine).fork())
+                    elif op < 0.85:
+                        seq = rng.choice(mine)
+                        seq.truncate(rng.randint(0, seq.num_tokens))
+                    else:
+                        mine.pop(rng.randrange(len(mine))).free()
+                except OutOfBlocksError:
+                    if mine:
+                        mine.pop(0).free()
+            for seq in mine:
+                for layer in range(SPEC.num_layers):
+                    assert torch.equal(seq.to_dense(layer)[0], kv_values(seq.token_ids, 0, layer))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    kv.check()
+    for seq in list(kv.sequences.values()):
+        seq.free()
+    kv.check()
+    assert kv.allocator.num_active == 0
