@@ -1,0 +1,117 @@
+"""PagedCache: token-for-token equal to DynamicCache in transformers' generate and in the package's forward;
+after fork() of a prefilled prefix; with a prefix-cache hit; in batches; with clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from memos_ref.errors import DTypeError, OutOfBlocksError, ShapeError
+from memos_ref.hf import PagedCache
+from memos_ref.model.tokenizer import ByteTokenizer
+from memos_ref.paged import PagedKV
+
+NEW = 64
+tok = ByteTokenizer()
+
+
+def _kv(model, num_blocks=128, block_size=16, **kw):
+    return PagedKV(model.kv_spec(block_size=block_size), num_blocks, **kw)
+
+
+def _greedy(hf, ids, cache, n=NEW, **kw):
+    return hf.generate(ids, cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("which", ["shipped", "tiny"])
+def test_generate_equals_dynamic_cache_in_both_forwards(which, block_size, shipped_pair, tiny_pair):
+    ours, hf = shipped_pair if which == "shipped" else tiny_pair
+    ids = tok("class Stack:\n    def __init__(self):\n", add_bos=hf.config.vocab_size > 256)
+    expected = _greedy(hf, ids, DynamicCache())
+    kv = _kv(ours, block_size=block_size)
+    assert torch.equal(_greedy(hf, ids, PagedCache(kv)), expected)
+    assert torch.equal(ours.generate(ids, NEW, PagedCache(kv)), expected)
+    kv.check()
+
+
+def test_forked_sub_agents_equal_independent_runs(shipped_pair):
+    ours, hf = shipped_pair
+    system = tok("# A helpful agent that writes Python.\nimport os\nimport sys\n")  # 58 tokens: a partial tail
+    kv = _kv(ours)
+    main = PagedCache(kv)
+    with torch.no_grad():
+        ours(system, main)  # prefill the shared prefix once
+    blocks_after_prefill = kv.allocator.num_active
+    tasks = ["def main():\n", "class Config:\n", "def parse(text):\n"]
+    subs = [main.fork() for _ in tasks]
+    assert kv.allocator.num_active == blocks_after_prefill  # forks copy nothing
+    for task, sub in zip(tasks, subs):
+        full = torch.cat([system, tok(task, add_bos=False)], dim=1)
+        expected = _greedy(hf, full, DynamicCache(), n=32)
+        assert torch.equal(_greedy(hf, full, sub, n=32), expected)
+    assert all(seq.cow_copies == 1 for sub in subs for seq in sub.sequences)  # the shared tail, once each
+    kv.check()
+
+
+def test_prefix_cache_hit_computes_only_the_rest(shipped_pair):
+    ours, hf = shipped_pair
+    kv = _kv(ours, fingerprint="shipped")
+    first = tok("import os\nimport sys\n\n\ndef read_config(path):\n    with open(path) as fh:\n")
+    cache = PagedCache(kv)
+    out = _greedy(hf, first, cache, n=16)
+    cache.set_token_ids(out[:, :-1])
+    cache.free()  # the blocks stay cached
+    second = torch.cat([first, tok("        return fh.read()\n", add_bos=False)], dim=1)
+    hit = PagedCache.from_prefix(kv, second)
+    reused = hit.get_seq_length()
+    assert reused == (first.shape[1] + 15) // 16 * 16 and reused < second.shape[1]
+    computed = []
+    hook = ours.register_forward_pre_hook(lambda mod, args: computed.append(args[0].shape[1]))
+    try:
+        got = ours.generate(second[:, reused:], 24, hit)  # the package forward: feed only the rest
+    finally:
+        hook.remove()
+    assert computed[0] == second.shape[1] - reused  # prefill computed only the uncached tokens
+    expected = _greedy(hf, second, DynamicCache(), n=24)
+    assert torch.equal(torch.cat([second[:, :reused], got], dim=1), expected)
+    hit2 = PagedCache.from_prefix(kv, second)
+    assert torch.equal(_greedy(hf, second, hit2, n=24), expected)  # transformers skips the cached part
+    assert kv.prefix_cache.stats()["prefix_hit_tokens"] == 2 * reused
+    kv.check()
+
+
+def test_left_padded_batch_and_beam_search(shipped_pair):
+    ours, hf = shipped_pair
+    ids, mask = tok.batch_encode(["x = 1\n", "def f(a, b):\n    return"])
+    args = dict(attention_mask=mask, pad_token_id=tok.pad_id)
+    kv = _kv(ours)
+    assert torch.equal(_greedy(hf, ids, PagedCache(kv), n=24, **args), _greedy(hf, ids, DynamicCache(), n=24, **args))
+    beams = dict(num_beams=3, max_new_tokens=12, do_sample=False, early_stopping=True)
+    prompt = tok("def f(a, b):\n    return")
+    assert torch.equal(
+        hf.generate(prompt, cache=PagedCache(kv), **beams), hf.generate(prompt, cache=DynamicCache(), **beams)
+    )
+    kv.check()
+
+
+def test_errors_leave_the_memory_unchanged(shipped_pair):
+    ours, _ = shipped_pair
+    kv = _kv(ours, num_blocks=3, block_size=16)
+    cache = PagedCache(kv)
+    with torch.no_grad():
+        ours(tok("a" * 30), cache)  # 31 tokens: 2 blocks
+    before = (kv.allocator.stats(), cache.get_seq_length())
+    with pytest.raises(OutOfBlocksError):
+        ours(tok("b" * 40, add_bos=False), cache)
+    assert (kv.allocator.stats(), cache.get_seq_length()) == before
+    with pytest.raises(DTypeError):
+        cache.update(torch.zeros(1, 2, 1, 32, dtype=torch.float16), torch.zeros(1, 2, 1, 32, dtype=torch.float16), 0)
+    with pytest.raises(ShapeError):
+        cache.update(torch.zeros(1, 3, 1, 32), torch.zeros(1, 3, 1, 32), 0)
+    with pytest.raises(ShapeError, match="holds 1"):
+        cache.update(torch.zeros(2, 2, 1, 32), torch.zeros(2, 2, 1, 32), 0)
+    cache.free()
+    assert kv.allocator.num_active == 0
+    kv.check()
