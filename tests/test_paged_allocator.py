@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 
@@ -102,10 +103,8 @@ def test_threads_hammering_the_allocator_keep_invariants():
             for _ in range(1500):
                 op = rng.random()
                 if op < 0.45:
-                    try:
+                    with contextlib.suppress(OutOfBlocksError):
                         held.extend(alloc.allocate(rng.randint(1, 4)))
-                    except OutOfBlocksError:
-                        pass
                 elif op < 0.55 and held:
                     block = rng.choice(held)
                     alloc.incref(block)

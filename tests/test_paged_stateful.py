@@ -3,6 +3,7 @@ with the invariant checker and a content oracle after every step."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 
@@ -71,10 +72,8 @@ class PagedMachine(RuleBasedStateMachine):
         ids = [*seq.token_ids, *extra]
         hit = self.kv.start_from_prefix(ids, cache_salt=seq.cache_salt)
         assert hit.num_tokens <= len(ids) - 1 and hit.num_tokens % SPEC.block_size == 0
-        try:
+        with contextlib.suppress(OutOfBlocksError):
             append_tokens(hit, ids[hit.num_tokens :])
-        except OutOfBlocksError:
-            pass
         return hit
 
     @invariant()
