@@ -7,7 +7,9 @@ is prefilled untimed, then single-token decode steps are timed one by one (media
 Methods, each on a stated forward:
   package forward      — no cache (recompute the whole sequence each step), ConcatCache, ContiguousCache
                          in both layouts ([B, H, S, D] "HSD" and [B, S, H, D] "SHD": seed 003's layout claim)
-  transformers forward — ConcatCache, ContiguousCache, DynamicCache, StaticCache
+  transformers forward — ConcatCache, ContiguousCache, PagedCache, DynamicCache, StaticCache
+PagedCache (block size 16) hands attention a gathered copy of each sequence every step (the reference
+path); its ratio to ContiguousCache is the cost of that gather, which the kernels remove.
 ContiguousCache and StaticCache are preallocated to the final length, as a serving system would size them.
 """
 
@@ -47,6 +49,15 @@ class Method:
     cache: Callable[[Any, int], Any] | None  # (hf_config, max_len) -> cache; None = recompute
 
 
+def _paged(cfg: Any, max_len: int) -> Any:
+    from memos_ref.hf import PagedCache
+    from memos_ref.paged import PagedKV
+    from memos_ref.spec import KVSpec
+
+    spec = KVSpec.from_hf_config(cfg, dtype="float32", block_size=16)
+    return PagedCache(PagedKV(spec, spec.blocks_for(max_len) + 1))
+
+
 def _static(cfg: Any, max_len: int) -> Any:
     from transformers import StaticCache
 
@@ -64,8 +75,10 @@ METHODS: tuple[Method, ...] = (
     Method("concat", "package", lambda cfg, n: ConcatCache()),
     Method("contiguous", "package", lambda cfg, n: ContiguousCache(capacity=n)),
     Method("contiguous_shd", "package", lambda cfg, n: ContiguousCache(capacity=n, layout="SHD")),
+    Method("paged", "package", _paged),
     Method("concat", "transformers", lambda cfg, n: ConcatCache()),
     Method("contiguous", "transformers", lambda cfg, n: ContiguousCache(capacity=n)),
+    Method("paged", "transformers", _paged),
     Method("dynamic", "transformers", _dynamic),
     Method("static", "transformers", _static),
 )
@@ -76,6 +89,8 @@ def _kv_bytes(cache: Any) -> int:
         return 0
     if hasattr(cache, "nbytes_reserved"):
         return cache.nbytes_reserved()
+    if hasattr(cache, "kv"):  # PagedCache: the blocks its rows hold
+        return sum(seq.num_blocks for seq in cache.sequences) * cache.kv.spec.bytes_per_block
     return sum(
         layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if getattr(layer, "keys", None) is not None
     )
@@ -167,6 +182,8 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
         "nocache_over_contiguous_ms_per_token_at_max_ctx": ("no_cache", "package", "package"),
         "static_over_contiguous_ms_per_token_at_max_ctx": ("static", "transformers", "transformers"),
         "shd_over_hsd_layout_ms_per_token_at_max_ctx": ("contiguous_shd", "package", "package"),
+        "paged_over_contiguous_ms_per_token_at_max_ctx": ("paged", "package", "package"),
+        "paged_over_contiguous_ms_per_token_at_max_ctx_transformers": ("paged", "transformers", "transformers"),
     }.items():
         summary[key] = {m: round(at(m, num, num_fwd, top) / at(m, "contiguous", den_fwd, top), 3) for m in models}
     summary["kv_bytes_per_token"] = {m: models[m][0].kv_spec().bytes_per_token for m in models}

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from memos_ref.errors import ConfigError
 from memos_ref.paged.allocator import BlockAllocator
 
-__all__ = ["PrefixCache", "block_hashes"]
+__all__ = ["PrefixCache", "block_hashes", "hash_block"]
 
 HASH_BYTES = 16  # 128-bit BLAKE2b digests
 
@@ -30,18 +30,29 @@ def _extra_key(fingerprint: str, cache_salt: str | None) -> bytes:
     return f"{fingerprint}\x00{cache_salt or ''}".encode()
 
 
+def hash_block(parent: bytes, tokens: Sequence[int], extra: bytes) -> bytes:
+    """``H(parent ‖ extra ‖ tokens)``: one link of the chain (``parent`` is ``b""`` for the first block)."""
+    digest = hashlib.blake2b(digest_size=HASH_BYTES)
+    digest.update(parent)
+    digest.update(extra)
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
+
+
 def block_hashes(
-    token_ids: Sequence[int], block_size: int, *, fingerprint: str = "", cache_salt: str | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    fingerprint: str = "",
+    cache_salt: str | None = None,
+    parent: bytes = b"",
 ) -> list[bytes]:
-    """Chained hashes of the *full* blocks of ``token_ids`` (a partial last block has none)."""
+    """Chained hashes of the *full* blocks of ``token_ids`` (a partial last block has none), continuing
+    from ``parent`` (the hash of the block before ``token_ids[0]``, if any)."""
     extra = _extra_key(fingerprint, cache_salt)
-    hashes, parent = [], b""
+    hashes = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        digest = hashlib.blake2b(digest_size=HASH_BYTES)
-        digest.update(parent)
-        digest.update(extra)
-        digest.update(array("q", token_ids[start : start + block_size]).tobytes())
-        parent = digest.digest()
+        parent = hash_block(parent, token_ids[start : start + block_size], extra)
         hashes.append(parent)
     return hashes
 
@@ -82,8 +93,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._hash_of)
 
-    def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
-        return block_hashes(token_ids, self.block_size, fingerprint=self.fingerprint, cache_salt=cache_salt)
+    def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None, parent: bytes = b"") -> list[bytes]:
+        """Chained hashes of the full blocks of ``token_ids``, continuing from ``parent``."""
+        return block_hashes(
+            token_ids, self.block_size, fingerprint=self.fingerprint, cache_salt=cache_salt, parent=parent
+        )
 
     def register(self, block: int, block_hash: bytes, tokens: Sequence[int]) -> bool:
         """Record that ``block`` holds the full block with this hash. False if the hash is already cached

@@ -58,6 +58,7 @@ class SequenceCache:
         self.num_tokens = 0
         self.layer_tokens = [0] * pool.spec.num_layers
         self.num_registered = 0  # leading full blocks already offered to the prefix cache
+        self._chain: list[bytes] = []  # their chained hashes
         self.cow_copies = 0
         self._lock = threading.RLock()
         self._freed = False
@@ -70,10 +71,8 @@ class SequenceCache:
 
     def slot_mapping(self, start: int, stop: int) -> torch.Tensor:
         """Physical slots ``[stop - start]`` of logical positions ``start..stop-1``."""
-        t = self.block_size
-        pos = torch.arange(start, stop)
-        table = torch.tensor(self.block_table, dtype=torch.long)
-        return table[pos // t] * t + pos % t
+        t, table = self.block_size, self.block_table
+        return torch.tensor([table[p // t] * t + p % t for p in range(start, stop)], dtype=torch.long)
 
     def block_table_tensor(self) -> torch.Tensor:
         return torch.tensor(self.block_table, dtype=torch.long)
@@ -156,6 +155,14 @@ class SequenceCache:
                 self._register_full_blocks()
             return slots
 
+    def mark_written(self) -> None:
+        """Declare every reserved token written in every layer (when the K/V are written elsewhere — a kernel,
+        or no tensors at all in a metadata-only simulation); registers full blocks for prefix reuse."""
+        with self._lock:
+            self.layer_tokens = [self.num_tokens] * len(self.layer_tokens)
+            if self.prefix_cache is not None:
+                self._register_full_blocks()
+
     def set_token_ids(self, token_ids: Sequence[int], start: int = 0) -> None:
         """Record the token ids of positions ``start..`` after the fact (e.g. after ``generate``), so full
         blocks can be prefix-cached."""
@@ -175,10 +182,14 @@ class SequenceCache:
             known = self.token_ids.index(UNKNOWN_TOKEN) // self.block_size
         if known <= self.num_registered:
             return
-        hashes = self.prefix_cache.hashes(self.token_ids[: known * self.block_size], self.cache_salt)
+        # extend the hash chain from the last registered block (each block is hashed once)
+        del self._chain[self.num_registered :]
+        parent = self._chain[-1] if self._chain else b""
+        start, stop = self.num_registered * self.block_size, known * self.block_size
+        self._chain.extend(self.prefix_cache.hashes(self.token_ids[start:stop], self.cache_salt, parent))
         for i in range(self.num_registered, known):
             tokens = self.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            self.prefix_cache.register(self.block_table[i], hashes[i], tokens)
+            self.prefix_cache.register(self.block_table[i], self._chain[i], tokens)
         self.num_registered = known
 
     # ------------------------------------------------------------------ sharing and rollback
@@ -195,6 +206,8 @@ class SequenceCache:
         self.num_tokens = n
         self.layer_tokens = [n] * len(self.layer_tokens)
         self.num_registered = len(blocks)
+        if self.prefix_cache is not None:
+            self._chain = self.prefix_cache.hashes(self.token_ids, self.cache_salt)
 
     def fork(self) -> SequenceCache:
         """A new sequence sharing every block (refcounts +1); the first write to a shared tail copies it."""
@@ -212,6 +225,7 @@ class SequenceCache:
             child.num_tokens = self.num_tokens
             child.layer_tokens = list(self.layer_tokens)
             child.num_registered = self.num_registered
+            child._chain = list(self._chain)
             return child
 
     def truncate(self, n: int) -> None:
@@ -230,6 +244,7 @@ class SequenceCache:
             self.num_tokens = n
             self.layer_tokens = [n] * len(self.layer_tokens)
             self.num_registered = min(self.num_registered, n // self.block_size)
+            del self._chain[self.num_registered :]
 
     def free(self) -> None:
         """Release every block; the sequence cannot be used afterwards."""
