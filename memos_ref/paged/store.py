@@ -74,9 +74,12 @@ class PagedKV:
     def stats(self) -> dict[str, Any]:
         """Block counts, slot utilization and prefix hit accounting."""
         stats: dict[str, Any] = dict(self.allocator.stats())
-        held_slots = sum(seq.num_blocks for seq in self.sequences.values()) * self.spec.block_size
-        filled = sum(seq.num_tokens for seq in self.sequences.values())
-        stats["slot_utilization"] = filled / held_slots if held_slots else 1.0
+        filled: dict[int, int] = {}  # per held block: the most tokens any holder keeps in it
+        t = self.spec.block_size
+        for seq in list(self.sequences.values()):
+            for i, block in enumerate(seq.block_table):
+                filled[block] = max(filled.get(block, 0), min(t, seq.num_tokens - i * t))
+        stats["slot_utilization"] = sum(filled.values()) / (len(filled) * t) if filled else 1.0
         if self.prefix_cache is not None:
             stats.update(self.prefix_cache.stats())
         return stats
