@@ -16,6 +16,8 @@ BENCHMARKS: dict[str, str] = {
     "allocator": "memos_ref.bench.allocator",
     "decode": "memos_ref.bench.decode",
     "growth": "memos_ref.bench.growth",
+    "sharing": "memos_ref.bench.sharing",
+    "waste": "memos_ref.bench.waste",
 }
 
 
