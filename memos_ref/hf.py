@@ -164,6 +164,8 @@ class PagedCache(Cache):
             k, v = seq.to_dense(layer)  # [H, S, D]: the gather transformers' attention needs
             keys.append(k)
             values.append(v)
+        if len(keys) == 1:  # no second copy for a single row
+            return keys[0].unsqueeze(0), values[0].unsqueeze(0)
         return torch.stack(keys), torch.stack(values)  # [B, H, S, D]
 
     def crop(self, tokens_to_remove: int) -> None:

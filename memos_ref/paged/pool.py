@@ -142,19 +142,23 @@ class BlockPool:
             kv[local, 1, :, offsets[where]] = value[where]
 
     def gather(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``num_tokens`` keys and values of a sequence, densely: ``[H, num_tokens, D]`` each (a copy)."""
+        """The first ``num_tokens`` keys and values of a sequence, densely: ``[H, num_tokens, D]`` each.
+
+        One copy: the layer's blocks are selected straight into ``[2, H, n, T, D]`` order, whose
+        ``[2, H, n·T, D]`` reshape is a view.
+        """
         n_blocks = -(-num_tokens // self.spec.block_size)
-        blocks = block_table[:n_blocks]
+        blocks = block_table[:n_blocks].to(self.device)
+        h, t, d = self.spec.num_kv_heads, self.spec.block_size, self.spec.head_dim
         if len(self.segments) == 1:
-            kv = self.segments[0][blocks, layer]  # [n, 2, H, T, D]
+            by_head = self.segments[0][:, layer].permute(1, 2, 0, 3, 4)  # view [2, H, N, T, D]
+            kv = by_head.index_select(2, blocks)  # [2, H, n, T, D], contiguous
         else:
-            kv = torch.empty((n_blocks, 2, *self.spec.block_shape[2:]), dtype=self.spec.dtype, device=self.device)
+            kv = torch.empty((2, h, n_blocks, t, d), dtype=self.spec.dtype, device=self.device)
             for seg, where, local in self._index(blocks):
-                kv[where] = seg[local, layer]
-        h, d = self.spec.num_kv_heads, self.spec.head_dim
-        k = kv[:, 0].permute(1, 0, 2, 3).reshape(h, -1, d)[:, :num_tokens]  # [H, n·T, D] -> [H, S, D]
-        v = kv[:, 1].permute(1, 0, 2, 3).reshape(h, -1, d)[:, :num_tokens]
-        return k, v
+                kv[:, :, where] = seg[local, layer].permute(1, 2, 0, 3, 4)
+        kv = kv.reshape(2, h, n_blocks * t, d)[:, :, :num_tokens]  # [2, H, S, D]
+        return kv[0], kv[1]
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's contents (all layers) onto another: the copy of copy-on-write."""
