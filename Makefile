@@ -1,6 +1,6 @@
 # memos-ref: every target sets itself up (venv + pinned packages) on a machine with only python3, pip and make.
 #   make lab    open JupyterLab on notebooks/        make test   ruff + pytest + every notebook (nbmake)
-#   make demo   generate with each cache, print a table   make bench  the decode and growth benchmarks
+#   make demo   generate with each cache, print a table   make bench  every benchmark, with plots
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -51,8 +51,10 @@ demo: setup
 
 bench: setup
 	@mkdir -p bench_results
-	$(BIN)/python -m memos_ref.bench decode --plot bench_results/decode.png
-	$(BIN)/python -m memos_ref.bench growth --plot bench_results/growth.png
+	@for name in decode growth allocator waste sharing; do \
+		echo "== bench $$name"; \
+		$(BIN)/python -m memos_ref.bench $$name --plot bench_results/$$name.png || exit 1; \
+	done
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache bench_results

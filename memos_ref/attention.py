@@ -41,10 +41,11 @@ def gather_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense ``[H, seq_len, D]`` K and V of one sequence from ``[num_blocks, H, T, D]`` caches."""
     t = key_cache.shape[2]
-    blocks = block_table[: -(-seq_len // t)]
+    blocks = block_table[: -(-seq_len // t)].to(key_cache.device)
     h, d = key_cache.shape[1], key_cache.shape[3]
-    k = key_cache[blocks].permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len]  # [H, S, D]
-    v = value_cache[blocks].permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len]
+    # select blocks straight into [H, n, T, D] order (one copy); the [H, n·T, D] reshape is then a view
+    k = key_cache.permute(1, 0, 2, 3).index_select(1, blocks).reshape(h, -1, d)[:, :seq_len]  # [H, S, D]
+    v = value_cache.permute(1, 0, 2, 3).index_select(1, blocks).reshape(h, -1, d)[:, :seq_len]
     return k, v
 
 

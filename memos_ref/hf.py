@@ -149,18 +149,47 @@ class PagedCache(Cache):
         if self.sequences and key.shape[0] != len(self.sequences):
             raise ShapeError(f"batch of {key.shape[0]} rows, but this cache holds {len(self.sequences)}")
 
-    def _update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _write(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> None:
+        """Append this step's K/V ``[B, H, n, D]`` of one layer to every row (all rows or none)."""
         self._check(key, value)
         if not self.sequences:
             self.sequences = [self.kv.new_sequence(self.cache_salt) for _ in range(key.shape[0])]
         n = key.shape[2]
         if self.sequences[0].layer_tokens[layer] + n > self.sequences[0].num_tokens:
             needed = sum(seq.blocks_needed(n) for seq in self.sequences)
-            if needed > self.kv.allocator.num_available:  # all rows or none
+            if needed > self.kv.allocator.num_available:
                 raise OutOfBlocksError(needed=needed, available=self.kv.allocator.num_available)
-        keys, values = [], []
         for row, seq in enumerate(self.sequences):
             seq.append(layer, key[row], value[row])
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int) -> torch.Tensor:
+        """Store this step's K/V and compute causal attention of ``query [B, Hq, n, D]`` over each row's pages.
+
+        The package's forward calls this instead of ``update`` (no dense ``[B, H, S, D]`` is handed back);
+        it is the seam where a paged-attention kernel reads the pool directly. Returns ``[B, Hq, n, D]``.
+        """
+        from memos_ref.attention import paged_attention
+
+        self._write(key, value, layer)
+        pool = self.kv.pool
+        if len(pool.segments) != 1:  # the kernel-shaped call wants one tensor: fall back to gathering
+            from memos_ref.attention import dense_attention
+
+            return torch.stack(
+                [dense_attention(query[i], *seq.to_dense(layer)) for i, seq in enumerate(self.sequences)]
+            )
+        widest = max(seq.num_blocks for seq in self.sequences)
+        tables = torch.full((len(self.sequences), widest), -1, dtype=torch.long)
+        for i, seq in enumerate(self.sequences):
+            tables[i, : seq.num_blocks] = seq.block_table_tensor()
+        lens = torch.tensor([seq.layer_tokens[layer] for seq in self.sequences])
+        layer_view = pool.layer_view(layer)  # [num_blocks, 2, H, T, D]
+        return paged_attention(query, layer_view[:, 0], layer_view[:, 1], tables, lens)
+
+    def _update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._write(key, value, layer)
+        keys, values = [], []
+        for seq in self.sequences:
             k, v = seq.to_dense(layer)  # [H, S, D]: the gather transformers' attention needs
             keys.append(k)
             values.append(v)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from memos_ref.caches import ContiguousCache
 from memos_ref.errors import DTypeError, OutOfBlocksError, ShapeError
 from memos_ref.hf import PagedCache
 from memos_ref.model.tokenizer import ByteTokenizer
@@ -114,4 +115,19 @@ def test_errors_leave_the_memory_unchanged(shipped_pair):
         cache.update(torch.zeros(2, 2, 1, 32), torch.zeros(2, 2, 1, 32), 0)
     cache.free()
     assert kv.allocator.num_active == 0
+    kv.check()
+
+
+@pytest.mark.parametrize("segments", [1, 2])
+def test_attend_path_matches_the_dense_path(segments, tiny_pair):
+    ours, _ = tiny_pair
+    ids = torch.randint(0, 256, (2, 45), generator=torch.Generator().manual_seed(0))
+    kv = PagedKV(ours.kv_spec(block_size=8), 64, segments=segments)
+    paged, dense = PagedCache(kv), ContiguousCache()
+    with torch.no_grad():
+        chunks = [(0, 20), (20, 27), *[(i, i + 1) for i in range(27, 45)]]
+        got = torch.cat([ours(ids[:, a:b], paged) for a, b in chunks], dim=1)  # attend(): no dense K/V handed back
+        expected = torch.cat([ours(ids[:, a:b], dense) for a, b in chunks], dim=1)
+    assert callable(paged.attend)
+    assert (got - expected).abs().max().item() < 1e-5
     kv.check()

@@ -135,13 +135,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache: Any):
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache: Any, paged: bool
+    ):
         b, s, _ = x.shape
         d, hq, hkv = self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads
         q = self.q_proj(x).view(b, s, hq, d).transpose(1, 2)  # [B, Hq, S, D]
         k = self.k_proj(x).view(b, s, hkv, d).transpose(1, 2)  # [B, Hkv, S, D]
         v = self.v_proj(x).view(b, s, hkv, d).transpose(1, 2)  # [B, Hkv, S, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if paged:
+            # A paged cache attends over its own blocks (kernel-shaped call; see memos_ref.attention).
+            out = cache.attend(q, k, v, self.layer_idx)  # [B, Hq, S, D]
+            return self.o_proj(out.transpose(1, 2).reshape(b, s, hq * d))
         if cache is not None:
             # The cache stores this step's K/V and hands back everything seen so far.
             k, v = cache.update(k, v, self.layer_idx)  # [B, Hkv, past + S, D]
@@ -174,8 +180,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+    def forward(self, x, cos, sin, mask, cache, paged=False):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, paged)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -254,8 +260,11 @@ class LlamaForward(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         mask = self._mask(b, s, past, attention_mask, x.device)  # [B, S, past + S], fp32
+        # A cache with attend() (PagedCache) computes attention over its pages itself; padding masks need the
+        # dense path, so left-padded batches keep using update().
+        paged = attention_mask is None and callable(getattr(cache, "attend", None))
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, cache)
+            x = layer(x, cos, sin, mask, cache, paged)
         return self.lm_head(self.model.norm(x))
 
     @staticmethod
