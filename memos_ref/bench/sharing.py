@@ -4,6 +4,10 @@
 Each of *n* sub-agents gets the shared prompt of *P* tokens plus a 64-token task of its own and then decodes
 64 tokens. With sharing, a main agent prefills the prompt once and forks (refcounts, copy-on-write of the
 partly filled tail); without, every sub-agent prefills and stores the prompt itself. Block size 16.
+
+Prefill time is measured for the 512- and 2,048-token prompts only: one 8,256-token prefill through the
+package's forward (dense fp32 attention) takes about 23 s on 2 CPU cores, so the 16-agent case alone would take
+six minutes; the block and token counts, which are exact, cover 8,192.
 """
 
 from __future__ import annotations
