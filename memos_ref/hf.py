@@ -5,10 +5,20 @@ of one cache, and different caches over the same memory, share blocks: ``fork()`
 prefix for free, and ``from_prefix()`` starts a new prompt from the prefix cache so only the rest is
 computed.
 
-How attention reads the pages: transformers' attention functions expect dense ``[B, H, S, D]`` K/V back from
-``update``, so this cache gathers each row's blocks into a new tensor every step (one copy of the sequence
-per layer per step — what ``bench decode`` measures as ``paged`` beside ``contiguous``). A kernel that reads
-the pool directly (``memos_kernels``) removes that copy.
+How attention reads the pages, three ways:
+
+* the package's forward calls :meth:`PagedCache.attend`, which runs the kernel-shaped
+  :func:`memos_ref.attention.paged_attention` on the pool;
+* a transformers model loaded with ``attn_implementation="memos_paged"`` (after
+  :func:`register_paged_attention`) and a ``PagedCache(kv, direct=True)`` does the same: ``update`` returns a
+  handle instead of dense K/V, and the registered attention function attends over the pages (unpadded
+  batches only: transformers passes custom attention functions no mask);
+* otherwise ``update`` gathers each row's blocks into a dense ``[B, H, S, D]`` tensor every step, which any
+  attention implementation accepts.
+
+In this reference all three still gather per sequence inside torch (``bench decode`` measures the cost beside
+the contiguous cache); a kernel that reads the pool in place (``memos_kernels``) removes the copy behind the
+same two seams.
 """
 
 from __future__ import annotations
@@ -23,7 +33,38 @@ from memos_ref.errors import ConfigError, DeviceError, DTypeError, OutOfBlocksEr
 from memos_ref.paged.sequence import SequenceCache
 from memos_ref.paged.store import PagedKV
 
-__all__ = ["PagedCache", "PagedLayer"]
+__all__ = ["PAGED_ATTENTION", "PagedCache", "PagedLayer", "PagedView", "register_paged_attention"]
+
+#: The name under which :func:`register_paged_attention` registers the paged attention function.
+PAGED_ATTENTION = "memos_paged"
+
+
+class PagedView:
+    """What ``PagedCache(direct=True).update`` returns instead of dense K/V: which cache and layer to read."""
+
+    __slots__ = ("cache", "layer")
+
+    def __init__(self, cache: PagedCache, layer: int) -> None:
+        self.cache, self.layer = cache, layer
+
+
+def _paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: attend over the pages when given a :class:`PagedView`, else SDPA."""
+    if isinstance(key, PagedView):
+        out = key.cache._attend_stored(query, key.layer, scaling)  # [B, Hq, S, D]
+        return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def register_paged_attention() -> str:
+    """Register the paged attention function with transformers; load models with the returned name as
+    ``attn_implementation``."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PAGED_ATTENTION, _paged_attention_forward)
+    return PAGED_ATTENTION
 
 
 class PagedLayer(CacheLayerMixin):
@@ -96,9 +137,14 @@ class PagedCache(Cache):
     """
 
     def __init__(
-        self, kv: PagedKV, sequences: Sequence[SequenceCache] | None = None, *, cache_salt: str | None = None
+        self,
+        kv: PagedKV,
+        sequences: Sequence[SequenceCache] | None = None,
+        *,
+        cache_salt: str | None = None,
+        direct: bool = False,
     ) -> None:
-        self.kv, self.cache_salt = kv, cache_salt
+        self.kv, self.cache_salt, self.direct = kv, cache_salt, direct
         self.sequences: list[SequenceCache] = list(sequences or [])
         super().__init__(layers=[PagedLayer(self, i) for i in range(kv.spec.num_layers)])
 
@@ -120,7 +166,9 @@ class PagedCache(Cache):
 
     def fork(self) -> PagedCache:
         """A new cache sharing every block of this one (a sub-agent); writes copy a shared tail first."""
-        return PagedCache(self.kv, [seq.fork() for seq in self.sequences], cache_salt=self.cache_salt)
+        return PagedCache(
+            self.kv, [seq.fork() for seq in self.sequences], cache_salt=self.cache_salt, direct=self.direct
+        )
 
     def set_token_ids(self, input_ids: torch.Tensor) -> None:
         """Record the token ids ``[B, S]`` of the first S positions so full blocks enter the prefix cache
@@ -168,9 +216,12 @@ class PagedCache(Cache):
         The package's forward calls this instead of ``update`` (no dense ``[B, H, S, D]`` is handed back);
         it is the seam where a paged-attention kernel reads the pool directly. Returns ``[B, Hq, n, D]``.
         """
+        self._write(key, value, layer)
+        return self._attend_stored(query, layer)
+
+    def _attend_stored(self, query: torch.Tensor, layer: int, scale: float | None = None) -> torch.Tensor:
         from memos_ref.attention import paged_attention
 
-        self._write(key, value, layer)
         pool = self.kv.pool
         if len(pool.segments) != 1:  # the kernel-shaped call wants one tensor: fall back to gathering
             from memos_ref.attention import dense_attention
@@ -184,10 +235,13 @@ class PagedCache(Cache):
             tables[i, : seq.num_blocks] = seq.block_table_tensor()
         lens = torch.tensor([seq.layer_tokens[layer] for seq in self.sequences])
         layer_view = pool.layer_view(layer)  # [num_blocks, 2, H, T, D]
-        return paged_attention(query, layer_view[:, 0], layer_view[:, 1], tables, lens)
+        return paged_attention(query, layer_view[:, 0], layer_view[:, 1], tables, lens, scale=scale)
 
-    def _update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[Any, Any]:
         self._write(key, value, layer)
+        if self.direct:  # the registered attention function reads the pages
+            view = PagedView(self, layer)
+            return view, view
         keys, values = [], []
         for seq in self.sequences:
             k, v = seq.to_dense(layer)  # [H, S, D]: the gather transformers' attention needs
@@ -205,7 +259,7 @@ class PagedCache(Cache):
             seq.truncate(max(0, seq.num_tokens + tokens_to_remove))
 
     def _select_rows(self, rows: list[int]) -> None:
-        new = [self.sequences[i].fork() for i in rows]
+        new = [self.sequences[i].fork() for i in rows]  # beams share their common blocks
         for seq in self.sequences:
             seq.free()
         self.sequences = new

@@ -131,3 +131,23 @@ def test_attend_path_matches_the_dense_path(segments, tiny_pair):
     assert callable(paged.attend)
     assert (got - expected).abs().max().item() < 1e-5
     kv.check()
+
+
+def test_registered_paged_attention_reads_the_pages_in_transformers(shipped_pair):
+    from memos_ref.hf import PagedView, register_paged_attention
+    from memos_ref.model import load_hf_model
+
+    ours, hf = shipped_pair
+    paged_hf = load_hf_model(attn=register_paged_attention())
+    ids = tok("class Stack:\n    def __init__(self):\n")
+    expected = _greedy(hf, ids, DynamicCache())
+    kv = _kv(ours)
+    direct = PagedCache(kv, direct=True)
+    assert torch.equal(_greedy(paged_hf, ids, direct), expected)
+    assert isinstance(direct.layers[0].keys, PagedView)  # no dense K/V was handed to attention
+    sub = direct.fork()
+    more = torch.cat([expected[:, :-1], tok("    def push(self, item):\n", add_bos=False)], dim=1)
+    assert torch.equal(_greedy(paged_hf, more, sub, n=16), _greedy(hf, more, DynamicCache(), n=16))
+    # without a paged cache the registered function falls back to SDPA
+    assert torch.equal(_greedy(paged_hf, ids, DynamicCache()), expected)
+    kv.check()
