@@ -1,0 +1,399 @@
+"""The semantic layer: sessions that know what their tokens are for an agent (seed 000 §3.4, §4.3, §6.3, §6.5).
+
+A :class:`CacheSession` is one agent conversation over the shared paged memory. Its tokens are cut into
+:class:`Segment` s — system prompt (name and version), tool descriptions (keyed by a hash of the tool set),
+user and assistant turns, tool calls and results, injected memories, summaries — each a token range with its
+blocks. A :class:`SessionManager` owns the memory, the model and the registry of system prompts and memories:
+
+* the same system-prompt version (and tool set) in any session means the same blocks: sessions start from the
+  prefix cache; a new version means new blocks, and the old ones become evictable when no session holds them;
+* ``session.fork(n)`` gives n sub-agents everything so far, sharing blocks;
+* ``session.compact(summary)`` builds the summarised session, switches to it atomically, then releases the old
+  blocks (observable in ``session.events``);
+* ``manager.build_memory(text)`` computes a memory's KV once (MemOS "activation memory");
+  ``manager.new_session(memories=[...])`` starts a session *from* it — sharing its blocks, never writing them;
+* ``session.save(path)`` / ``manager.load(path)``: safetensors + a JSON manifest with checksums, the model
+  fingerprint and the KVSpec; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from memos_ref.errors import ConfigError, CorruptCacheError, ModelMismatchError
+from memos_ref.hf import PagedCache
+from memos_ref.model.tokenizer import ByteTokenizer
+from memos_ref.paged.store import PagedKV
+from memos_ref.spec import KVSpec
+
+__all__ = ["CacheSession", "Memory", "Segment", "SegmentKind", "SessionManager"]
+
+MANIFEST_VERSION = 1
+
+
+class SegmentKind(StrEnum):
+    SYSTEM = "system"
+    TOOLS = "tools"
+    MEMORY = "memory"
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL_CALL = "tool_call"
+    TOOL_RESULT = "tool_result"
+    SUMMARY = "summary"
+
+
+_MARKER = {
+    SegmentKind.SYSTEM: "<|system|>",
+    SegmentKind.TOOLS: "<|tool|>",
+    SegmentKind.MEMORY: "<|memory|>",
+    SegmentKind.USER: "<|user|>",
+    SegmentKind.ASSISTANT: "<|assistant|>",
+    SegmentKind.TOOL_CALL: "<|tool|>",
+    SegmentKind.TOOL_RESULT: "<|tool|>",
+    SegmentKind.SUMMARY: "<|system|>",
+}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A token range ``[start, stop)`` of a session and what it is."""
+
+    kind: SegmentKind
+    seg_id: str
+    start: int
+    stop: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "seg_id": self.seg_id, "start": self.start, "stop": self.stop}
+
+
+@dataclass(frozen=True)
+class Memory:
+    """A memory's KV, computed once and held by the manager; sessions start from it without writing it."""
+
+    name: str
+    token_ids: tuple[int, ...]
+    segments: tuple[Segment, ...]
+    cache: PagedCache
+
+
+def tool_set_key(tools: list[str]) -> str:
+    """Order-independent id of a tool set (tool sets are shared across sessions by this key)."""
+    return hashlib.sha256("\x00".join(sorted(tools)).encode()).hexdigest()[:12]
+
+
+class SessionManager:
+    """Owns the paged memory, the model (the package's forward), and the system prompts and memories.
+
+    Args:
+        model: a :class:`~memos_ref.model.llama.LlamaForward`.
+        num_blocks: pool size in blocks (block size 16).
+        fingerprint: model fingerprint for prefix hashing and saved files (default: computed from the weights).
+    """
+
+    def __init__(self, model: Any, num_blocks: int = 1024, *, block_size: int = 16, fingerprint: str | None = None):
+        self.model = model
+        self.tok = ByteTokenizer()
+        if fingerprint is None:
+            digest = hashlib.sha256()
+            for tensor in model.state_dict().values():
+                digest.update(tensor.detach().float().cpu().numpy().tobytes()[:4096])
+            fingerprint = digest.hexdigest()[:16]
+        self.fingerprint = fingerprint
+        self.spec: KVSpec = model.kv_spec(block_size=block_size)
+        self.kv = PagedKV(self.spec, num_blocks, fingerprint=fingerprint)
+        self.system_prompts: dict[tuple[str, str], str] = {}
+        self.memories: dict[str, Memory] = {}
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ registry
+    def register_system_prompt(self, name: str, version: str, text: str) -> None:
+        """Record a system prompt version; sessions refer to it by (name, version)."""
+        with self._lock:
+            key = (name, version)
+            if key in self.system_prompts and self.system_prompts[key] != text:
+                raise ConfigError(f"system prompt {name!r} version {version!r} is already registered with other text")
+            self.system_prompts[key] = text
+
+    def _encode(self, kind: SegmentKind, text: str) -> list[int]:
+        return [self.tok.special_to_id[_MARKER[kind]], *self.tok.encode(text)]
+
+    def new_session(
+        self,
+        system: tuple[str, str] | None = None,
+        tools: list[str] | None = None,
+        memories: list[Memory] | None = None,
+    ) -> CacheSession:
+        """A session starting with a registered system prompt, a tool set, and/or memories (in that order of
+        preference: memories already contain what was before them)."""
+        if memories:
+            base = memories[-1]
+            names = [m.name for m in memories]
+            if names != self._chain(base):
+                raise ConfigError(
+                    f"memories {names} must be injected as they were built, in order: {self._chain(base)}"
+                )
+            if system or tools:
+                raise ConfigError("a session started from memories takes its prefix from them")
+            session = CacheSession(self, base.cache.fork(), list(base.token_ids), list(base.segments))
+            session.prefill_reused = len(base.token_ids)
+            return session
+        session = CacheSession(self, None, [], [])
+        ids: list[int] = [self.tok.bos_id]
+        plan: list[tuple[SegmentKind, str, list[int]]] = []
+        if system is not None:
+            if system not in self.system_prompts:
+                raise ConfigError(f"system prompt {system} is not registered: {sorted(self.system_prompts)}")
+            plan.append(
+                (
+                    SegmentKind.SYSTEM,
+                    f"{system[0]}@{system[1]}",
+                    self._encode(SegmentKind.SYSTEM, self.system_prompts[system]),
+                )
+            )
+        if tools:
+            plan.append(
+                (SegmentKind.TOOLS, tool_set_key(tools), self._encode(SegmentKind.TOOLS, "\n".join(sorted(tools))))
+            )
+        for _, _, seg_ids in plan:
+            ids.extend(seg_ids)
+        session._prefill(ids, plan)
+        return session
+
+    def build_memory(self, name: str, text: str, after: Memory | None = None) -> Memory:
+        """Compute a memory's KV once (after ``after``'s, when memories are meant to be used together)."""
+        with self._lock:
+            if name in self.memories:
+                raise ConfigError(f"a memory named {name!r} already exists")
+            if after is None:
+                session = CacheSession(self, None, [], [])
+                session._prefill(
+                    [self.tok.bos_id, *self._encode(SegmentKind.MEMORY, text)],
+                    [(SegmentKind.MEMORY, name, self._encode(SegmentKind.MEMORY, text))],
+                )
+            else:
+                session = self.new_session(memories=[*self._memories_of(after), after])
+                session.append(SegmentKind.MEMORY, name, text)
+            memory = Memory(name, tuple(session.token_ids), tuple(session.segments), session.cache)
+            self.memories[name] = memory
+            return memory
+
+    def _chain(self, memory: Memory) -> list[str]:
+        return [s.seg_id for s in memory.segments if s.kind == SegmentKind.MEMORY]
+
+    def _memories_of(self, memory: Memory) -> list[Memory]:
+        return [self.memories[n] for n in self._chain(memory)[:-1]]
+
+    # ------------------------------------------------------------------ persistence
+    def load(self, path: str | Path) -> CacheSession:
+        """Load a session saved by :meth:`CacheSession.save`; refuses another model or KVSpec, or a damaged file."""
+        path = Path(path)
+        manifest_path, tensor_path = path.with_suffix(".json"), path.with_suffix(".safetensors")
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise CorruptCacheError(f"cannot read the session manifest {manifest_path}: {exc}") from None
+        if manifest.get("format") != "memos-ref-session" or manifest.get("version") != MANIFEST_VERSION:
+            raise CorruptCacheError(f"{manifest_path} is not a memos-ref session manifest (version {MANIFEST_VERSION})")
+        if manifest["fingerprint"] != self.fingerprint:
+            raise ModelMismatchError(
+                f"session was saved from model {manifest['fingerprint']}, this manager runs {self.fingerprint}"
+            )
+        saved_spec = KVSpec.from_dict(manifest["kv_spec"])
+        if saved_spec.with_(block_size=self.spec.block_size) != self.spec:
+            raise ModelMismatchError(f"session KVSpec {saved_spec.to_dict()} does not match {self.spec.to_dict()}")
+        try:
+            data = tensor_path.read_bytes()
+        except OSError as exc:
+            raise CorruptCacheError(f"cannot read {tensor_path}: {exc}") from None
+        if hashlib.sha256(data).hexdigest() != manifest["sha256"] or len(data) != manifest["bytes"]:
+            raise CorruptCacheError(f"{tensor_path} does not match its checksum (truncated or modified)")
+        kv = load_file(str(tensor_path))["kv"]  # [L, 2, H, S, D]
+        tokens = manifest["token_ids"]
+        expected = (self.spec.num_layers, 2, self.spec.num_kv_heads, len(tokens), self.spec.head_dim)
+        if tuple(kv.shape) != expected:
+            raise CorruptCacheError(f"stored KV has shape {tuple(kv.shape)}, the manifest implies {expected}")
+        session = CacheSession(
+            self,
+            PagedCache(self.kv),
+            list(tokens),
+            [Segment(SegmentKind(s["kind"]), s["seg_id"], s["start"], s["stop"]) for s in manifest["segments"]],
+        )
+        for layer in range(self.spec.num_layers):
+            session.cache.update(kv[layer, 0][None].to(self.spec.dtype), kv[layer, 1][None].to(self.spec.dtype), layer)
+        session.cache.set_token_ids(torch.tensor([tokens]))
+        return session
+
+    def stats(self) -> dict[str, Any]:
+        return self.kv.stats()
+
+
+class CacheSession:
+    """One agent conversation: a paged cache, its tokens, and the segments that say what they are."""
+
+    def __init__(
+        self, manager: SessionManager, cache: PagedCache | None, token_ids: list[int], segments: list[Segment]
+    ):
+        self.manager = manager
+        self.cache = cache if cache is not None else PagedCache(manager.kv)
+        self.token_ids = token_ids
+        self.segments = segments
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.prefill_computed = 0  # tokens actually run through the model
+        self.prefill_reused = 0  # tokens taken from the prefix cache or a memory
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ building
+    def _prefill(self, ids: list[int], plan: list[tuple[SegmentKind, str, list[int]]]) -> None:
+        """Fill an empty session with ``ids`` (BOS + planned segments), reusing cached prefix blocks."""
+        hit = PagedCache.from_prefix(self.manager.kv, torch.tensor([ids]))
+        self.cache.free()
+        self.cache = hit
+        reused = hit.get_seq_length()
+        with torch.no_grad():
+            self.manager.model(torch.tensor([ids[reused:]]), self.cache)
+        self.cache.set_token_ids(torch.tensor([ids]))
+        self.token_ids = list(ids)
+        pos = 1
+        for kind, seg_id, seg_ids in plan:
+            self.segments.append(Segment(kind, seg_id, pos, pos + len(seg_ids)))
+            pos += len(seg_ids)
+        self.prefill_reused += reused
+        self.prefill_computed += len(ids) - reused
+
+    def append(self, kind: SegmentKind, seg_id: str, text: str) -> Segment:
+        """Add a segment (a user turn, a tool result, …): its tokens are prefilled into the cache."""
+        ids = self.manager._encode(SegmentKind(kind), text)
+        with self._lock, torch.no_grad():
+            start = len(self.token_ids)
+            self.manager.model(torch.tensor([ids]), self.cache)
+            self.token_ids.extend(ids)
+            self.cache.set_token_ids(torch.tensor([self.token_ids]))
+            segment = Segment(SegmentKind(kind), seg_id, start, start + len(ids))
+            self.segments.append(segment)
+            self.prefill_computed += len(ids)
+            return segment
+
+    def generate(self, max_new_tokens: int, seg_id: str = "reply") -> str:
+        """Greedy continuation as an assistant turn; returns its text."""
+        with self._lock, torch.no_grad():
+            marker = self.manager._encode(SegmentKind.ASSISTANT, "")
+            start = len(self.token_ids)
+            logits = self.manager.model(torch.tensor([marker]), self.cache)
+            new: list[int] = []
+            for i in range(max_new_tokens):
+                nxt = int(logits[0, -1].argmax())
+                new.append(nxt)
+                if i + 1 < max_new_tokens:
+                    logits = self.manager.model(torch.tensor([[nxt]]), self.cache)
+            if new:  # the last generated token is not yet in the cache: feed it so the session is complete
+                self.manager.model(torch.tensor([[new[-1]]]), self.cache)
+            self.token_ids.extend(marker + new)
+            self.cache.set_token_ids(torch.tensor([self.token_ids]))
+            self.segments.append(Segment(SegmentKind.ASSISTANT, seg_id, start, len(self.token_ids)))
+            return self.manager.tok.decode(new)
+
+    # ------------------------------------------------------------------ agent operations
+    def fork(self, n: int = 1) -> list[CacheSession]:
+        """n sub-agent sessions sharing everything so far (blocks are shared, not copied)."""
+        with self._lock:
+            return [
+                CacheSession(self.manager, self.cache.fork(), list(self.token_ids), list(self.segments))
+                for _ in range(n)
+            ]
+
+    def compact(self, summary_text: str) -> None:
+        """Replace the conversation after the system prompt and tools by a summary (seed 000 §6.3).
+
+        The summarised session is built first (the system prompt and tools come from the prefix cache), then
+        swapped in under the lock, and only then are the old blocks released — so the two sets coexist only
+        for the build and the switch, and readers never see a half-built session. ``events`` records each
+        step with block counts.
+        """
+        with self._lock:
+            keep = [s for s in self.segments if s.kind in (SegmentKind.SYSTEM, SegmentKind.TOOLS)]
+            stop = keep[-1].stop if keep else 1
+            summary_ids = self.manager._encode(SegmentKind.SUMMARY, summary_text)
+            ids = self.token_ids[:stop] + summary_ids
+            fresh = CacheSession(self.manager, None, [], [])
+            plan = [(s.kind, s.seg_id, self.token_ids[s.start : s.stop]) for s in keep]
+            plan.append((SegmentKind.SUMMARY, "summary", summary_ids))
+            before = self.manager.kv.allocator.num_active
+            fresh._prefill(ids, plan)
+            self.events.append(
+                (
+                    "compact_built",
+                    {
+                        "blocks_active": self.manager.kv.allocator.num_active,
+                        "blocks_before": before,
+                        "time": time.perf_counter(),
+                    },
+                )
+            )
+            old = self.cache
+            self.cache, self.token_ids, self.segments = fresh.cache, fresh.token_ids, fresh.segments
+            self.events.append(("switched", {"tokens": len(self.token_ids), "time": time.perf_counter()}))
+            released = sum(seq.num_blocks for seq in old.sequences)
+            old.free()
+            self.events.append(
+                (
+                    "released",
+                    {
+                        "blocks": released,
+                        "blocks_active": self.manager.kv.allocator.num_active,
+                        "time": time.perf_counter(),
+                    },
+                )
+            )
+            self.prefill_computed += fresh.prefill_computed
+            self.prefill_reused += fresh.prefill_reused
+
+    def close(self) -> None:
+        """Release the session's blocks (prefix-registered ones stay cached for reuse)."""
+        self.cache.free()
+
+    # ------------------------------------------------------------------ inspection and persistence
+    def describe(self) -> list[dict[str, Any]]:
+        """Segments with their block ids and residency."""
+        seq = self.cache.sequences[0]
+        t = self.manager.spec.block_size
+        return [
+            {
+                **s.to_dict(),
+                "tokens": s.stop - s.start,
+                "blocks": sorted({seq.block_table[p // t] for p in range(s.start, min(s.stop, seq.num_tokens))}),
+                "residency": "device",
+            }
+            for s in self.segments
+        ]
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``path.safetensors`` (K/V ``[L, 2, H, S, D]``) and ``path.json`` (manifest with checksum)."""
+        path = Path(path)
+        seq = self.cache.sequences[0]
+        kv = torch.stack([torch.stack(seq.to_dense(layer)) for layer in range(self.manager.spec.num_layers)])
+        tensor_path = path.with_suffix(".safetensors")
+        save_file({"kv": kv.contiguous()}, str(tensor_path))
+        data = tensor_path.read_bytes()
+        manifest = {
+            "format": "memos-ref-session",
+            "version": MANIFEST_VERSION,
+            "fingerprint": self.manager.fingerprint,
+            "kv_spec": self.manager.spec.to_dict(),
+            "token_ids": self.token_ids[: seq.num_tokens],
+            "segments": [s.to_dict() for s in self.segments],
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "bytes": len(data),
+        }
+        path.with_suffix(".json").write_text(json.dumps(manifest))
+        return path

@@ -1,0 +1,166 @@
+"""Sessions: shared system prompts and tool sets, fork, compaction, memory injection, save/load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memos_ref.caches import ContiguousCache
+from memos_ref.errors import ConfigError, CorruptCacheError, ModelMismatchError
+from memos_ref.session import SegmentKind, SessionManager, tool_set_key
+
+SYSTEM = "You are a careful Python agent. Read files before editing them; keep functions small.\n" * 3
+MEMORY_1 = "The user's project keeps its settings in config/settings.json.\n"
+MEMORY_2 = "Tests run with `make test`; the CI machine has no GPU.\n"
+
+
+@pytest.fixture
+def manager(shipped_pair):
+    ours, _ = shipped_pair
+    mgr = SessionManager(ours, num_blocks=512)
+    mgr.register_system_prompt("agent", "v1", SYSTEM)
+    mgr.register_system_prompt("agent", "v2", SYSTEM.replace("careful", "fast"))
+    return mgr
+
+
+def _solo(manager, token_ids, n):
+    """Greedy continuation of ``token_ids`` computed from scratch with a dense cache (the oracle)."""
+    out = manager.model.generate(torch.tensor([token_ids]), n, ContiguousCache())
+    return manager.tok.decode(out[0, len(token_ids) :])
+
+
+def _reply(manager, session, n):
+    marker = manager._encode(SegmentKind.ASSISTANT, "")
+    return _solo(manager, session.token_ids + marker, n)
+
+
+def test_same_system_prompt_version_shares_blocks_new_version_does_not(manager):
+    a = manager.new_session(system=("agent", "v1"))
+    b = manager.new_session(system=("agent", "v1"))
+    c = manager.new_session(system=("agent", "v2"))
+    full = (len(a.token_ids) - 1) // 16
+    table_a, table_b = a.cache.sequences[0].block_table, b.cache.sequences[0].block_table
+    assert table_b[:full] == table_a[:full] and b.prefill_reused == full * 16
+    assert not set(c.cache.sequences[0].block_table) & set(table_a)  # "fast" changes the first block
+    manager.kv.check()
+    a.close()
+    b.close()
+    assert all(manager.kv.allocator.refcount[blk] == 0 for blk in table_a[:full])  # released: cached, evictable
+    assert manager.kv.allocator.num_cached >= full
+    with pytest.raises(ConfigError, match="not registered"):
+        manager.new_session(system=("agent", "v9"))
+    with pytest.raises(ConfigError, match="already registered"):
+        manager.register_system_prompt("agent", "v1", "different text")
+
+
+def test_tool_sets_are_keyed_by_content_not_order(manager):
+    tools = ["read_file(path) -> str", "write_file(path, text)", "run(cmd) -> int"]
+    assert tool_set_key(tools) == tool_set_key(list(reversed(tools)))
+    a = manager.new_session(system=("agent", "v1"), tools=tools)
+    b = manager.new_session(system=("agent", "v1"), tools=list(reversed(tools)))
+    assert a.token_ids == b.token_ids and b.prefill_computed < 16
+    described = a.describe()
+    assert [d["kind"] for d in described] == ["system", "tools"]
+    assert described[1]["seg_id"] == tool_set_key(tools) and described[1]["blocks"]
+
+
+def test_session_generation_equals_solo_generation_and_fork_shares(manager):
+    session = manager.new_session(system=("agent", "v1"))
+    session.append(SegmentKind.USER, "t1", "Write a function that reads a JSON file.\n")
+    expected = _reply(manager, session, 24)
+    active_before = manager.kv.allocator.num_active
+    subs = session.fork(3)
+    assert manager.kv.allocator.num_active == active_before  # nothing copied
+    assert all(sub.generate(24) == expected for sub in subs)
+    assert session.generate(24) == expected
+    assert session.cache.get_seq_length() == len(session.token_ids)
+    manager.kv.check()
+
+
+def test_compaction_switches_atomically_then_releases(manager):
+    session = manager.new_session(system=("agent", "v1"))
+    for turn in range(3):
+        session.append(SegmentKind.USER, f"u{turn}", "Please refactor the parser module and add tests. " * 4)
+        session.generate(8, seg_id=f"a{turn}")
+    long_tokens = len(session.token_ids)
+    session.compact("Summary: the user wants the parser refactored with tests; work has started.\n")
+    names = [name for name, _ in session.events]
+    assert names == ["compact_built", "switched", "released"]
+    built, released = session.events[0][1], session.events[2][1]
+    assert built["blocks_active"] > built["blocks_before"]  # both sets exist only while building
+    assert released["blocks_active"] < built["blocks_active"] and released["blocks"] > 0
+    assert len(session.token_ids) < long_tokens
+    assert [s.kind for s in session.segments] == [SegmentKind.SYSTEM, SegmentKind.SUMMARY]
+    manager.kv.check()
+
+
+def test_compacted_session_continues_like_a_fresh_one(manager):
+    session = manager.new_session(system=("agent", "v1"))
+    session.append(SegmentKind.USER, "u0", "Long discussion about files. " * 6)
+    session.compact("Summary: discussed files.\n")
+    expected = _reply(manager, session, 20)
+    assert session.generate(20) == expected
+
+
+def test_memory_injection_equals_memory_in_the_prompt_and_never_mutates_it(manager):
+    memory = manager.build_memory("settings", MEMORY_1)
+    stored = [tuple(t.clone() for t in memory.cache.sequences[0].to_dense(layer)) for layer in range(4)]
+    session = manager.new_session(memories=[memory])
+    assert session.prefill_reused == len(memory.token_ids) and session.prefill_computed == 0
+    session.append(SegmentKind.USER, "q", "Where are the settings?\n")
+    expected = _reply(manager, session, 24)  # the same tokens, computed from scratch with the text in the prompt
+    assert session.generate(24) == expected
+    for i in range(100):  # 100 generations from the memory; it must stay byte-identical
+        other = manager.new_session(memories=[memory])
+        other.append(SegmentKind.USER, f"q{i}", f"question {i}\n")
+        other.generate(2)
+        other.close()
+    for layer in range(4):
+        k, v = memory.cache.sequences[0].to_dense(layer)
+        assert torch.equal(k, stored[layer][0]) and torch.equal(v, stored[layer][1])
+    manager.kv.check()
+
+
+def test_several_memories_injected_in_order(manager):
+    m1 = manager.build_memory("settings", MEMORY_1)
+    m2 = manager.build_memory("ci", MEMORY_2, after=m1)
+    session = manager.new_session(memories=[m1, m2])
+    assert [s.seg_id for s in session.segments] == ["settings", "ci"]
+    session.append(SegmentKind.USER, "q", "How do I run the tests?\n")
+    expected = _reply(manager, session, 16)
+    assert session.generate(16) == expected
+    with pytest.raises(ConfigError, match="in order"):
+        manager.new_session(memories=[m2, m1])
+    with pytest.raises(ConfigError, match="already exists"):
+        manager.build_memory("ci", "again")
+
+
+def test_save_load_round_trip_and_damaged_files(manager, shipped_pair, tmp_path):
+    session = manager.new_session(system=("agent", "v1"))
+    session.append(SegmentKind.USER, "u", "Summarise the repository layout.\n")
+    path = session.save(tmp_path / "s1")
+    restored = manager.load(path)
+    assert restored.token_ids == session.token_ids and restored.segments == session.segments
+    for layer in range(4):
+        a, b = session.cache.sequences[0].to_dense(layer), restored.cache.sequences[0].to_dense(layer)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert restored.generate(16) == session.generate(16)
+    # corrupt: flip one byte of the tensor file
+    data = bytearray(path.with_suffix(".safetensors").read_bytes())
+    data[-5] ^= 0xFF
+    path.with_suffix(".safetensors").write_bytes(bytes(data))
+    with pytest.raises(CorruptCacheError, match="checksum"):
+        manager.load(path)
+    # truncated
+    path.with_suffix(".safetensors").write_bytes(bytes(data[:100]))
+    with pytest.raises(CorruptCacheError):
+        manager.load(path)
+    # another model
+    ours, _ = shipped_pair
+    other = SessionManager(ours, num_blocks=64, fingerprint="someone-else")
+    session.save(tmp_path / "s2")
+    with pytest.raises(ModelMismatchError, match="someone-else"):
+        other.load(tmp_path / "s2")
+    path.with_suffix(".json").write_text("{not json")
+    with pytest.raises(CorruptCacheError, match="manifest"):
+        manager.load(path)
