@@ -184,7 +184,7 @@ class SessionManager:
             else:
                 session = self.new_session(memories=[*self._memories_of(after), after])
                 session.append(SegmentKind.MEMORY, name, text)
-            memory = Memory(name, tuple(session.token_ids), tuple(session.segments), session.cache)
+            memory = Memory(name, tuple(session.token_ids), tuple(session.segment_list), session.cache)
             self.memories[name] = memory
             return memory
 
@@ -247,7 +247,7 @@ class CacheSession:
         self.manager = manager
         self.cache = cache if cache is not None else PagedCache(manager.kv)
         self.token_ids = token_ids
-        self.segments = segments
+        self.segment_list = segments  # the Segment objects, in order; segments() describes them
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.prefill_computed = 0  # tokens actually run through the model
         self.prefill_reused = 0  # tokens taken from the prefix cache or a memory
@@ -266,7 +266,7 @@ class CacheSession:
         self.token_ids = list(ids)
         pos = 1
         for kind, seg_id, seg_ids in plan:
-            self.segments.append(Segment(kind, seg_id, pos, pos + len(seg_ids)))
+            self.segment_list.append(Segment(kind, seg_id, pos, pos + len(seg_ids)))
             pos += len(seg_ids)
         self.prefill_reused += reused
         self.prefill_computed += len(ids) - reused
@@ -280,7 +280,7 @@ class CacheSession:
             self.token_ids.extend(ids)
             self.cache.set_token_ids(torch.tensor([self.token_ids]))
             segment = Segment(SegmentKind(kind), seg_id, start, start + len(ids))
-            self.segments.append(segment)
+            self.segment_list.append(segment)
             self.prefill_computed += len(ids)
             return segment
 
@@ -300,7 +300,7 @@ class CacheSession:
                 self.manager.model(torch.tensor([[new[-1]]]), self.cache)
             self.token_ids.extend(marker + new)
             self.cache.set_token_ids(torch.tensor([self.token_ids]))
-            self.segments.append(Segment(SegmentKind.ASSISTANT, seg_id, start, len(self.token_ids)))
+            self.segment_list.append(Segment(SegmentKind.ASSISTANT, seg_id, start, len(self.token_ids)))
             return self.manager.tok.decode(new)
 
     # ------------------------------------------------------------------ agent operations
@@ -308,7 +308,7 @@ class CacheSession:
         """n sub-agent sessions sharing everything so far (blocks are shared, not copied)."""
         with self._lock:
             return [
-                CacheSession(self.manager, self.cache.fork(), list(self.token_ids), list(self.segments))
+                CacheSession(self.manager, self.cache.fork(), list(self.token_ids), list(self.segment_list))
                 for _ in range(n)
             ]
 
@@ -321,7 +321,7 @@ class CacheSession:
         step with block counts.
         """
         with self._lock:
-            keep = [s for s in self.segments if s.kind in (SegmentKind.SYSTEM, SegmentKind.TOOLS)]
+            keep = [s for s in self.segment_list if s.kind in (SegmentKind.SYSTEM, SegmentKind.TOOLS)]
             stop = keep[-1].stop if keep else 1
             summary_ids = self.manager._encode(SegmentKind.SUMMARY, summary_text)
             ids = self.token_ids[:stop] + summary_ids
@@ -341,7 +341,7 @@ class CacheSession:
                 )
             )
             old = self.cache
-            self.cache, self.token_ids, self.segments = fresh.cache, fresh.token_ids, fresh.segments
+            self.cache, self.token_ids, self.segment_list = fresh.cache, fresh.token_ids, fresh.segment_list
             self.events.append(("switched", {"tokens": len(self.token_ids), "time": time.perf_counter()}))
             released = sum(seq.num_blocks for seq in old.sequences)
             old.free()
@@ -363,8 +363,8 @@ class CacheSession:
         self.cache.free()
 
     # ------------------------------------------------------------------ inspection and persistence
-    def describe(self) -> list[dict[str, Any]]:
-        """Segments with their block ids and residency."""
+    def segments(self) -> list[dict[str, Any]]:
+        """The segments — kind, id, token range — with their block ids and residency."""
         seq = self.cache.sequences[0]
         t = self.manager.spec.block_size
         return [
@@ -374,7 +374,7 @@ class CacheSession:
                 "blocks": sorted({seq.block_table[p // t] for p in range(s.start, min(s.stop, seq.num_tokens))}),
                 "residency": "device",
             }
-            for s in self.segments
+            for s in self.segment_list
         ]
 
     def save(self, path: str | Path) -> Path:
@@ -391,7 +391,7 @@ class CacheSession:
             "fingerprint": self.manager.fingerprint,
             "kv_spec": self.manager.spec.to_dict(),
             "token_ids": self.token_ids[: seq.num_tokens],
-            "segments": [s.to_dict() for s in self.segments],
+            "segments": [s.to_dict() for s in self.segment_list],
             "sha256": hashlib.sha256(data).hexdigest(),
             "bytes": len(data),
         }

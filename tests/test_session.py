@@ -59,7 +59,7 @@ def test_tool_sets_are_keyed_by_content_not_order(manager):
     a = manager.new_session(system=("agent", "v1"), tools=tools)
     b = manager.new_session(system=("agent", "v1"), tools=list(reversed(tools)))
     assert a.token_ids == b.token_ids and b.prefill_computed < 16
-    described = a.describe()
+    described = a.segments()
     assert [d["kind"] for d in described] == ["system", "tools"]
     assert described[1]["seg_id"] == tool_set_key(tools) and described[1]["blocks"]
 
@@ -90,7 +90,7 @@ def test_compaction_switches_atomically_then_releases(manager):
     assert built["blocks_active"] > built["blocks_before"]  # both sets exist only while building
     assert released["blocks_active"] < built["blocks_active"] and released["blocks"] > 0
     assert len(session.token_ids) < long_tokens
-    assert [s.kind for s in session.segments] == [SegmentKind.SYSTEM, SegmentKind.SUMMARY]
+    assert [s.kind for s in session.segment_list] == [SegmentKind.SYSTEM, SegmentKind.SUMMARY]
     manager.kv.check()
 
 
@@ -125,7 +125,7 @@ def test_several_memories_injected_in_order(manager):
     m1 = manager.build_memory("settings", MEMORY_1)
     m2 = manager.build_memory("ci", MEMORY_2, after=m1)
     session = manager.new_session(memories=[m1, m2])
-    assert [s.seg_id for s in session.segments] == ["settings", "ci"]
+    assert [s.seg_id for s in session.segment_list] == ["settings", "ci"]
     session.append(SegmentKind.USER, "q", "How do I run the tests?\n")
     expected = _reply(manager, session, 16)
     assert session.generate(16) == expected
@@ -140,7 +140,7 @@ def test_save_load_round_trip_and_damaged_files(manager, shipped_pair, tmp_path)
     session.append(SegmentKind.USER, "u", "Summarise the repository layout.\n")
     path = session.save(tmp_path / "s1")
     restored = manager.load(path)
-    assert restored.token_ids == session.token_ids and restored.segments == session.segments
+    assert restored.token_ids == session.token_ids and restored.segment_list == session.segment_list
     for layer in range(4):
         a, b = session.cache.sequences[0].to_dense(layer), restored.cache.sequences[0].to_dense(layer)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
