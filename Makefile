@@ -51,7 +51,7 @@ demo: setup
 
 bench: setup
 	@mkdir -p bench_results
-	@for name in decode growth allocator waste sharing; do \
+	@for name in decode growth allocator waste sharing agent; do \
 		echo "== bench $$name"; \
 		$(BIN)/python -m memos_ref.bench $$name --plot bench_results/$$name.png || exit 1; \
 	done

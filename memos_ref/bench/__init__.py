@@ -13,6 +13,7 @@ __all__ = ["BENCHMARKS", "get"]
 
 #: Benchmark name -> module under memos_ref.bench.
 BENCHMARKS: dict[str, str] = {
+    "agent": "memos_ref.bench.agent",
     "allocator": "memos_ref.bench.allocator",
     "decode": "memos_ref.bench.decode",
     "growth": "memos_ref.bench.growth",

@@ -1,0 +1,175 @@
+"""``bench agent``: the three agent traces through the engine, with and without prefix/session reuse.
+
+Each trace is replayed closed-loop: events are dispatched in trace order, a session's ``generate`` becomes an
+engine request whose prompt is everything the session holds (system prompt, tools, turns, earlier replies),
+and an event waits while its session has a request in flight; requests of different sessions are batched.
+"With reuse" runs the engine over a prefix-caching pool (a later turn, a sub-agent, or a new session with the
+same system prompt reuses cached blocks); "without" recomputes every prompt. Greedy outputs must be identical
+both ways (checked). Reported: prefill tokens computed, peak blocks, time to first token, generated tokens
+per second, preemptions.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from memos_ref.bench.common import envelope, format_table
+from memos_ref.engine import Engine, Request
+from memos_ref.model.tokenizer import ByteTokenizer
+from memos_ref.paged import PagedKV
+from memos_ref.traces import SYSTEM_PROMPTS, TRACES, TraceEvent, make_trace
+
+__all__ = ["human", "plot", "replay_through_engine", "run"]
+
+_MARK = {
+    "system": "<|system|>",
+    "tools": "<|tool|>",
+    "user": "<|user|>",
+    "tool_result": "<|tool|>",
+    "assistant": "<|assistant|>",
+}
+
+
+def replay_through_engine(trace: list[TraceEvent], model: Any, kv: PagedKV, max_batch: int = 8) -> dict[str, Any]:
+    """Run a trace through an :class:`Engine`; returns outputs and figures."""
+    tok = ByteTokenizer()
+
+    def seg(kind: str, text: str) -> list[int]:
+        return [tok.special_to_id[_MARK[kind]], *tok.encode(text)]
+
+    engine = Engine(model, kv, max_batch=max_batch)
+    tokens: dict[str, list[int]] = {}
+    prefix_len: dict[str, int] = {}
+    busy: dict[str, Request] = {}
+    requests: list[tuple[str, Request]] = []
+    peak = 0
+    pos = 0
+    started = time.perf_counter()
+    while pos < len(trace) or busy:
+        while pos < len(trace):  # dispatch in order until an event's session is busy
+            e = trace[pos]
+            waits_on = e.parent if e.kind == "fork" else e.session
+            if waits_on in busy:
+                break
+            if e.kind == "open":
+                name, version = e.system.split("@", 1)
+                ids = [tok.bos_id, *seg("system", SYSTEM_PROMPTS[(name, version)])]
+                if e.tools:
+                    ids += seg("tools", "\n".join(sorted(e.tools)))
+                tokens[e.session], prefix_len[e.session] = ids, len(ids)
+            elif e.kind == "fork":
+                tokens[e.session], prefix_len[e.session] = list(tokens[e.parent]), prefix_len[e.parent]
+            elif e.kind in ("user", "tool_result"):
+                tokens[e.session] += seg(e.kind, e.text)
+            elif e.kind == "compact":
+                tokens[e.session] = tokens[e.session][: prefix_len[e.session]] + seg("system", e.text)
+            elif e.kind == "close":
+                tokens.pop(e.session)
+            elif e.kind == "generate":
+                tokens[e.session] += [tok.special_to_id[_MARK["assistant"]]]
+                request = engine.submit(Request(list(tokens[e.session]), e.max_new_tokens))
+                busy[e.session] = request
+                requests.append((e.session, request))
+            pos += 1
+        if busy:
+            engine.step()
+            peak = max(peak, kv.allocator.num_active)
+            for sid, request in list(busy.items()):
+                if request.finished:
+                    tokens[sid] += request.output
+                    del busy[sid]
+    elapsed = time.perf_counter() - started
+    generated = sum(len(r.output) for _, r in requests)
+    return {
+        "outputs": [r.output for _, r in requests],
+        "requests": len(requests),
+        "prefill_computed": sum(r.stats.prompt_tokens - r.stats.reused_tokens for _, r in requests),
+        "prefill_total": sum(r.stats.prompt_tokens for _, r in requests),
+        "peak_blocks": peak,
+        "ttft_median_s": statistics.median(r.stats.ttft_s for _, r in requests),
+        "generated_tokens": generated,
+        "tokens_per_s": generated / elapsed,
+        "seconds": elapsed,
+        "preemptions": engine.preemptions,
+    }
+
+
+def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
+    from memos_ref.model import load_model
+
+    model = load_model()
+    scale, blocks = (0.34, 2048) if quick else (1.0, 4096)
+    results, summary = [], {}
+    for name in tqdm(TRACES, desc="bench agent", disable=not progress):
+        trace = make_trace(name, scale=scale)
+        rows = {}
+        for reuse in (True, False):
+            kv = PagedKV(model.kv_spec(block_size=16), blocks, prefix_caching=reuse)
+            rows[reuse] = replay_through_engine(trace, model, kv)
+            kv.check()
+        if rows[True]["outputs"] != rows[False]["outputs"]:
+            raise AssertionError(f"trace {name}: outputs differ with and without reuse")
+        for reuse, row in rows.items():
+            results.append({"trace": name, "reuse": reuse, **{k: v for k, v in row.items() if k != "outputs"}})
+        with_, without = rows[True], rows[False]
+        summary[name] = {
+            "prefill_tokens_saved_fraction": 1 - with_["prefill_computed"] / without["prefill_computed"],
+            "peak_blocks_ratio": with_["peak_blocks"] / without["peak_blocks"],
+            "ttft_ratio_median": with_["ttft_median_s"] / without["ttft_median_s"],
+            "throughput_tokens_per_s": {"with_reuse": with_["tokens_per_s"], "without": without["tokens_per_s"]},
+            "preemptions": {"with_reuse": with_["preemptions"], "without": without["preemptions"]},
+        }
+    config = {
+        "scale": scale,
+        "pool_blocks": blocks,
+        "block_size": 16,
+        "max_batch": 8,
+        "model": "shipped",
+        "forward": "package",
+        "closed_loop": True,
+    }
+    return envelope("agent", config, results, summary)
+
+
+def human(report: dict[str, Any]) -> str:
+    cols = [
+        "trace",
+        "reuse",
+        "requests",
+        "prefill_total",
+        "prefill_computed",
+        "peak_blocks",
+        "ttft_median_s",
+        "tokens_per_s",
+        "preemptions",
+    ]
+    lines = [format_table(report["results"], cols), ""]
+    for name, figures in report["summary"].items():
+        lines.append(
+            f"{name}: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items())
+        )
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["summary"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.25
+    for i, key in enumerate(("prefill_tokens_saved_fraction", "peak_blocks_ratio", "ttft_ratio_median")):
+        ax.bar([j + i * width for j in range(len(names))], [report["summary"][n][key] for n in names], width, label=key)
+    ax.set_xticks([j + width for j in range(len(names))], names)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.legend(fontsize=8)
+    ax.set_title("agent traces: with reuse vs without")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
