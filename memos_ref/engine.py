@@ -103,6 +103,7 @@ class Engine:
         self.running: list[tuple[Request, SequenceCache]] = []
         self.finished: list[Request] = []
         self.preemptions = 0
+        self.deferred_admissions = 0  # times a waiting request could not start for lack of blocks
         self.steps = 0
 
     def submit(self, request: Request) -> Request:
@@ -128,15 +129,23 @@ class Engine:
         while self.waiting and len(self.running) < self.max_batch:
             request = self.waiting[0]
             ids = request.prompt + request.output  # after a preemption, recompute what was generated
-            need = self.kv.spec.blocks_for(len(ids) + 1)
-            if need > self.kv.allocator.num_available and self.running:
+            # the prompt's blocks, plus one more token for every running row (so admission cannot force the
+            # next decode step to preempt what was just admitted)
+            need = self.kv.spec.blocks_for(len(ids) + 1) + sum(seq.blocks_needed(1) for _, seq in self.running)
+            if need > self.kv.allocator.num_available:
+                self.deferred_admissions += 1
                 return  # wait for blocks
             self.waiting.popleft()
             seq = self.kv.start_from_prefix(ids)
             reused = seq.num_tokens
             rest = torch.tensor([ids[reused:]])
-            with torch.inference_mode():
-                logits = self.model(rest, _Rows([seq]), position_ids=torch.arange(reused, len(ids))[None])
+            try:
+                with torch.inference_mode():
+                    logits = self.model(rest, _Rows([seq]), position_ids=torch.arange(reused, len(ids))[None])
+            except Exception:
+                seq.free()
+                self.waiting.appendleft(request)
+                raise
             seq.set_token_ids(ids)
             request.stats.prompt_tokens = len(request.prompt)
             request.stats.reused_tokens += reused
@@ -172,13 +181,13 @@ class Engine:
         if not self.running:
             return
         batch = list(self.running)
-        self.running = []
         last = torch.tensor([[req.output[-1]] for req, _ in batch])  # [B, 1]
         positions = torch.tensor([[seq.num_tokens] for _, seq in batch])  # each row at its own position
         started = time.perf_counter()
         with torch.inference_mode():
             logits = self.model(last, _Rows([seq for _, seq in batch]), position_ids=positions)
         elapsed = time.perf_counter() - started
+        self.running = []
         for row, (request, seq) in enumerate(batch):
             seq.set_token_ids([request.output[-1]], start=seq.num_tokens - 1)
             request.stats.token_latencies_s.append(elapsed)
@@ -192,9 +201,10 @@ class Engine:
         for _ in range(max_steps):
             if not self.waiting and not self.running:
                 return self.finished
-            if not self.running and self.waiting:
-                need = self.kv.spec.blocks_for(len(self.waiting[0].prompt) + len(self.waiting[0].output) + 1)
-                if need > self.kv.allocator.num_available:
-                    raise OutOfBlocksError(needed=need, available=self.kv.allocator.num_available)
+            before = (len(self.waiting), len(self.running), len(self.finished))
             self.step()
+            if not self.running and self.waiting and before == (len(self.waiting), 0, len(self.finished)):
+                first = self.waiting[0]
+                need = self.kv.spec.blocks_for(len(first.prompt) + len(first.output) + 1)
+                raise OutOfBlocksError(needed=need, available=self.kv.allocator.num_available)
         raise ConfigError(f"requests still unfinished after {max_steps} steps")

@@ -161,6 +161,8 @@ class PagedCache(Cache):
         shortest = min(seq.num_tokens for seq in rows)
         for seq in rows:
             if seq.num_tokens > shortest:
+                if kv.prefix_cache is not None:
+                    kv.prefix_cache.uncount_hits(seq.num_tokens - shortest)  # looked up but not reused
                 seq.truncate(shortest)
         return cls(kv, rows, cache_salt=cache_salt)
 
@@ -175,6 +177,9 @@ class PagedCache(Cache):
         (``update`` sees only K/V; call this after ``generate`` with its output, minus the last token)."""
         if input_ids.shape[0] != len(self.sequences):
             raise ShapeError(f"{len(self.sequences)} rows in the cache, {input_ids.shape[0]} rows of ids given")
+        held = max((seq.num_tokens for seq in self.sequences), default=0)
+        if input_ids.shape[1] < held:
+            raise ShapeError(f"the cache holds {held} tokens per row but only {input_ids.shape[1]} ids were given")
         for seq, ids in zip(self.sequences, input_ids):
             seq.set_token_ids(ids[: seq.num_tokens].tolist())
 

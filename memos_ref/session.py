@@ -105,16 +105,22 @@ class SessionManager:
         self.model = model
         self.tok = ByteTokenizer()
         if fingerprint is None:
-            digest = hashlib.sha256()
-            for tensor in model.state_dict().values():
-                digest.update(tensor.detach().float().cpu().numpy().tobytes()[:4096])
-            fingerprint = digest.hexdigest()[:16]
+            fingerprint = self.fingerprint_of(model)
         self.fingerprint = fingerprint
         self.spec: KVSpec = model.kv_spec(block_size=block_size)
         self.kv = PagedKV(self.spec, num_blocks, fingerprint=fingerprint)
         self.system_prompts: dict[tuple[str, str], str] = {}
         self.memories: dict[str, Memory] = {}
         self._lock = threading.RLock()
+
+    @staticmethod
+    def fingerprint_of(model: Any) -> str:
+        """SHA-256 over the model's config, parameter names, shapes, dtypes and every weight byte."""
+        digest = hashlib.sha256(json.dumps(getattr(model.config, "__dict__", {}), sort_keys=True, default=str).encode())
+        for name, tensor in sorted(model.state_dict().items()):
+            digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+            digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()[:16]
 
     # ------------------------------------------------------------------ registry
     def register_system_prompt(self, name: str, version: str, text: str) -> None:
@@ -203,13 +209,28 @@ class SessionManager:
             manifest = json.loads(manifest_path.read_text())
         except (OSError, ValueError) as exc:
             raise CorruptCacheError(f"cannot read the session manifest {manifest_path}: {exc}") from None
-        if manifest.get("format") != "memos-ref-session" or manifest.get("version") != MANIFEST_VERSION:
-            raise CorruptCacheError(f"{manifest_path} is not a memos-ref session manifest (version {MANIFEST_VERSION})")
+        required = ("fingerprint", "kv_spec", "token_ids", "segments", "sha256", "bytes")
+        if (
+            not isinstance(manifest, dict)
+            or manifest.get("format") != "memos-ref-session"
+            or manifest.get("version") != MANIFEST_VERSION
+            or any(key not in manifest for key in required)
+        ):
+            raise CorruptCacheError(
+                f"{manifest_path} is not a memos-ref session manifest (version {MANIFEST_VERSION}, fields {required})"
+            )
         if manifest["fingerprint"] != self.fingerprint:
             raise ModelMismatchError(
                 f"session was saved from model {manifest['fingerprint']}, this manager runs {self.fingerprint}"
             )
-        saved_spec = KVSpec.from_dict(manifest["kv_spec"])
+        try:
+            saved_spec = KVSpec.from_dict(manifest["kv_spec"])
+            segments = [
+                Segment(SegmentKind(x["kind"]), x["seg_id"], int(x["start"]), int(x["stop"]))
+                for x in manifest["segments"]
+            ]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptCacheError(f"{manifest_path} has a malformed field: {exc}") from None
         if saved_spec.with_(block_size=self.spec.block_size) != self.spec:
             raise ModelMismatchError(f"session KVSpec {saved_spec.to_dict()} does not match {self.spec.to_dict()}")
         try:
@@ -218,17 +239,18 @@ class SessionManager:
             raise CorruptCacheError(f"cannot read {tensor_path}: {exc}") from None
         if hashlib.sha256(data).hexdigest() != manifest["sha256"] or len(data) != manifest["bytes"]:
             raise CorruptCacheError(f"{tensor_path} does not match its checksum (truncated or modified)")
-        kv = load_file(str(tensor_path))["kv"]  # [L, 2, H, S, D]
+        try:
+            kv = load_file(str(tensor_path))["kv"]  # [L, 2, H, S, D]
+        except Exception as exc:  # safetensors raises its own error types
+            raise CorruptCacheError(f"{tensor_path} is not a readable session tensor file: {exc}") from None
         tokens = manifest["token_ids"]
         expected = (self.spec.num_layers, 2, self.spec.num_kv_heads, len(tokens), self.spec.head_dim)
         if tuple(kv.shape) != expected:
             raise CorruptCacheError(f"stored KV has shape {tuple(kv.shape)}, the manifest implies {expected}")
-        session = CacheSession(
-            self,
-            PagedCache(self.kv),
-            list(tokens),
-            [Segment(SegmentKind(s["kind"]), s["seg_id"], s["start"], s["stop"]) for s in manifest["segments"]],
-        )
+        # Loaded KV is salted by its file's checksum: it serves this session and its forks, but a file can never
+        # plant blocks that other sessions would find by prefix.
+        salt = f"loaded:{manifest['sha256']}"
+        session = CacheSession(self, PagedCache(self.kv, cache_salt=salt), list(tokens), segments)
         for layer in range(self.spec.num_layers):
             session.cache.update(kv[layer, 0][None].to(self.spec.dtype), kv[layer, 1][None].to(self.spec.dtype), layer)
         session.cache.set_token_ids(torch.tensor([tokens]))
@@ -251,18 +273,36 @@ class CacheSession:
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.prefill_computed = 0  # tokens actually run through the model
         self.prefill_reused = 0  # tokens taken from the prefix cache or a memory
+        self.closed = False
         self._lock = threading.RLock()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ConfigError("this session was closed; start a new one")
+
+    def _rollback(self) -> None:
+        """After a failed step, cut the cache back to the tokens the session records (all layers agree)."""
+        seq = self.cache.sequences[0] if self.cache.sequences else None
+        if seq is None:
+            return
+        seq.layer_tokens = [min(n, len(self.token_ids)) for n in seq.layer_tokens]
+        seq.num_tokens = max(seq.layer_tokens)
+        seq.truncate(min(len(self.token_ids), seq.num_tokens))
 
     # ------------------------------------------------------------------ building
     def _prefill(self, ids: list[int], plan: list[tuple[SegmentKind, str, list[int]]]) -> None:
         """Fill an empty session with ``ids`` (BOS + planned segments), reusing cached prefix blocks."""
-        hit = PagedCache.from_prefix(self.manager.kv, torch.tensor([ids]))
+        hit = PagedCache.from_prefix(self.manager.kv, torch.tensor([ids]), cache_salt=self.cache.cache_salt)
+        reused = hit.get_seq_length()
+        try:
+            with torch.no_grad():
+                self.manager.model(torch.tensor([ids[reused:]]), hit)
+            hit.set_token_ids(torch.tensor([ids]))
+        except Exception:
+            hit.free()  # nothing of the half-built session stays referenced
+            raise
         self.cache.free()
         self.cache = hit
-        reused = hit.get_seq_length()
-        with torch.no_grad():
-            self.manager.model(torch.tensor([ids[reused:]]), self.cache)
-        self.cache.set_token_ids(torch.tensor([ids]))
         self.token_ids = list(ids)
         pos = 1
         for kind, seg_id, seg_ids in plan:
@@ -274,9 +314,14 @@ class CacheSession:
     def append(self, kind: SegmentKind, seg_id: str, text: str) -> Segment:
         """Add a segment (a user turn, a tool result, …): its tokens are prefilled into the cache."""
         ids = self.manager._encode(SegmentKind(kind), text)
+        self._check_open()
         with self._lock, torch.no_grad():
             start = len(self.token_ids)
-            self.manager.model(torch.tensor([ids]), self.cache)
+            try:
+                self.manager.model(torch.tensor([ids]), self.cache)
+            except Exception:
+                self._rollback()
+                raise
             self.token_ids.extend(ids)
             self.cache.set_token_ids(torch.tensor([self.token_ids]))
             segment = Segment(SegmentKind(kind), seg_id, start, start + len(ids))
@@ -286,18 +331,23 @@ class CacheSession:
 
     def generate(self, max_new_tokens: int, seg_id: str = "reply") -> str:
         """Greedy continuation as an assistant turn; returns its text."""
+        self._check_open()
         with self._lock, torch.no_grad():
             marker = self.manager._encode(SegmentKind.ASSISTANT, "")
             start = len(self.token_ids)
-            logits = self.manager.model(torch.tensor([marker]), self.cache)
             new: list[int] = []
-            for i in range(max_new_tokens):
-                nxt = int(logits[0, -1].argmax())
-                new.append(nxt)
-                if i + 1 < max_new_tokens:
-                    logits = self.manager.model(torch.tensor([[nxt]]), self.cache)
-            if new:  # the last generated token is not yet in the cache: feed it so the session is complete
-                self.manager.model(torch.tensor([[new[-1]]]), self.cache)
+            try:
+                logits = self.manager.model(torch.tensor([marker]), self.cache)
+                for i in range(max_new_tokens):
+                    nxt = int(logits[0, -1].argmax())
+                    new.append(nxt)
+                    if i + 1 < max_new_tokens:
+                        logits = self.manager.model(torch.tensor([[nxt]]), self.cache)
+                if new:  # the last generated token is not yet in the cache: feed it so the session is complete
+                    self.manager.model(torch.tensor([[new[-1]]]), self.cache)
+            except Exception:
+                self._rollback()  # the session stays as it was before the call
+                raise
             self.token_ids.extend(marker + new)
             self.cache.set_token_ids(torch.tensor([self.token_ids]))
             self.segment_list.append(Segment(SegmentKind.ASSISTANT, seg_id, start, len(self.token_ids)))
@@ -306,6 +356,7 @@ class CacheSession:
     # ------------------------------------------------------------------ agent operations
     def fork(self, n: int = 1) -> list[CacheSession]:
         """n sub-agent sessions sharing everything so far (blocks are shared, not copied)."""
+        self._check_open()
         with self._lock:
             return [
                 CacheSession(self.manager, self.cache.fork(), list(self.token_ids), list(self.segment_list))
@@ -320,8 +371,13 @@ class CacheSession:
         for the build and the switch, and readers never see a half-built session. ``events`` records each
         step with block counts.
         """
+        self._check_open()
         with self._lock:
-            keep = [s for s in self.segment_list if s.kind in (SegmentKind.SYSTEM, SegmentKind.TOOLS)]
+            keep = []  # the leading system prompt, tools and memories stay; everything after is summarised
+            for s in self.segment_list:
+                if s.kind not in (SegmentKind.SYSTEM, SegmentKind.TOOLS, SegmentKind.MEMORY):
+                    break
+                keep.append(s)
             stop = keep[-1].stop if keep else 1
             summary_ids = self.manager._encode(SegmentKind.SUMMARY, summary_text)
             ids = self.token_ids[:stop] + summary_ids
@@ -361,6 +417,7 @@ class CacheSession:
     def close(self) -> None:
         """Release the session's blocks (prefix-registered ones stay cached for reuse)."""
         self.cache.free()
+        self.closed = True
 
     # ------------------------------------------------------------------ inspection and persistence
     def segments(self) -> list[dict[str, Any]]:
@@ -391,7 +448,7 @@ class CacheSession:
             "fingerprint": self.manager.fingerprint,
             "kv_spec": self.manager.spec.to_dict(),
             "token_ids": self.token_ids[: seq.num_tokens],
-            "segments": [s.to_dict() for s in self.segment_list],
+            "segments": [s.to_dict() for s in self.segment_list if s.stop <= seq.num_tokens],
             "sha256": hashlib.sha256(data).hexdigest(),
             "bytes": len(data),
         }

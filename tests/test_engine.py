@@ -28,7 +28,7 @@ def _solo(hf, prompt, n):
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("num_blocks", [256, 24])  # plenty, and so few that requests must wait or be preempted
+@pytest.mark.parametrize("num_blocks", [256, 12])  # plenty, and so few that requests must wait or be preempted
 def test_batched_outputs_equal_solo_generation(shipped_pair, num_blocks):
     ours, hf = shipped_pair
     kv = PagedKV(ours.kv_spec(block_size=16), num_blocks)
@@ -43,7 +43,9 @@ def test_batched_outputs_equal_solo_generation(shipped_pair, num_blocks):
     assert kv.allocator.num_active == 0
     if num_blocks == 256:  # later requests reuse the shared system prompt's blocks
         assert sum(r.stats.reused_tokens for r in requests) >= 4 * 48
-        assert engine.preemptions == 0
+        assert engine.preemptions == 0 and engine.deferred_admissions == 0
+    else:  # 12 blocks cannot hold four of these at once: requests had to wait
+        assert engine.deferred_admissions > 0
     for r in requests:
         assert r.stats.ttft_s is not None and r.stats.computed_tokens + r.stats.reused_tokens >= len(r.prompt)
 
@@ -85,3 +87,14 @@ def test_sampling_is_seeded_and_stop_ids_end_requests(shipped_pair):
     assert stopped.output == greedy.output[: greedy.output.index(stop) + 1]
     with pytest.raises(ConfigError):
         Request([], 3)
+
+
+def test_a_request_that_can_never_fit_raises(shipped_pair):
+    from memos_ref.errors import OutOfBlocksError
+
+    ours, _ = shipped_pair
+    engine = Engine(ours, PagedKV(ours.kv_spec(block_size=8), 2))
+    engine.submit(Request(list(range(40)), 4))
+    with pytest.raises(OutOfBlocksError):
+        engine.run()
+    assert engine.kv.allocator.num_active == 0

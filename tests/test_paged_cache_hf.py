@@ -151,3 +151,21 @@ def test_registered_paged_attention_reads_the_pages_in_transformers(shipped_pair
     # without a paged cache the registered function falls back to SDPA
     assert torch.equal(_greedy(paged_hf, ids, DynamicCache()), expected)
     kv.check()
+
+
+def test_from_prefix_counts_only_tokens_reused_by_every_row(shipped_pair):
+    ours, _ = shipped_pair
+    kv = _kv(ours, fingerprint="rows")
+    long_ids = tok("import os\nimport sys\nimport json\nimport time\n" * 2)  # several full blocks
+    first = PagedCache(kv)
+    with torch.no_grad():
+        ours(long_ids, first)
+    first.set_token_ids(long_ids)
+    first.free()
+    rows = torch.cat([long_ids, torch.cat([long_ids[:, :20], long_ids[:, 20:].flip(1)], dim=1)])  # row 1 diverges
+    hit = PagedCache.from_prefix(kv, rows)
+    reused = hit.get_seq_length()
+    assert reused == 16  # the second row shares only the first block
+    assert kv.prefix_cache.stats()["prefix_hit_tokens"] == 2 * reused
+    hit.free()
+    kv.check()

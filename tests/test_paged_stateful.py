@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
+import time
 
 import torch
 from hypothesis import settings
@@ -135,3 +136,40 @@ def test_threads_share_one_paged_memory():
         seq.free()
     kv.check()
     assert kv.allocator.num_active == 0
+
+
+def test_lookups_and_evicting_allocations_do_not_deadlock():
+    """A lookup (prefix cache, then allocator) racing an allocation that evicts (allocator, then prefix cache):
+    with two locks taken in opposite orders this interleaving deadlocks; it is forced here."""
+    kv = PagedKV(SPEC, 8, fingerprint="locks")
+    ids = [1, 2, 3, 0] * 8  # 4 full blocks
+    seq = kv.new_sequence()
+    append_tokens(seq, ids)
+    seq.free()  # 4 cached blocks, 4 free
+    inside_lookup = threading.Event()
+    real_hashes = kv.prefix_cache.hashes
+
+    def slow_hashes(*args, **kwargs):
+        inside_lookup.set()  # the lookup holds the prefix cache's lock now
+        time.sleep(0.3)  # ...long enough for the allocation below to start evicting
+        return real_hashes(*args, **kwargs)
+
+    kv.prefix_cache.hashes = slow_hashes
+
+    def lookup() -> None:
+        kv.start_from_prefix([*ids, 1]).free()
+
+    def evicting_allocation() -> None:
+        inside_lookup.wait(5)
+        with contextlib.suppress(OutOfBlocksError):
+            kv.allocator.free_many(kv.allocator.allocate(8))  # needs the cached blocks: evicts
+
+    # daemon threads: a regression fails this test instead of hanging the test run at exit
+    threads = [threading.Thread(target=f, daemon=True) for f in (lookup, evicting_allocation)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert not any(t.is_alive() for t in threads), "deadlock between the prefix cache and the allocator"
+    kv.prefix_cache.hashes = real_hashes
+    kv.check()

@@ -164,3 +164,50 @@ def test_save_load_round_trip_and_damaged_files(manager, shipped_pair, tmp_path)
     path.with_suffix(".json").write_text("{not json")
     with pytest.raises(CorruptCacheError, match="manifest"):
         manager.load(path)
+
+
+def test_failures_leave_the_session_as_it_was_and_closed_sessions_refuse(shipped_pair):
+    from memos_ref.errors import OutOfBlocksError
+
+    ours, _ = shipped_pair
+    small = SessionManager(ours, num_blocks=6)
+    small.register_system_prompt("agent", "v1", "short\n")
+    session = small.new_session(system=("agent", "v1"))
+    before = (list(session.token_ids), session.cache.get_seq_length())
+    with pytest.raises(OutOfBlocksError):
+        session.generate(200)  # needs more blocks than the pool has
+    assert (session.token_ids, session.cache.get_seq_length()) == before
+    with pytest.raises(OutOfBlocksError):
+        session.append(SegmentKind.USER, "u", "x" * 200)
+    assert (session.token_ids, session.cache.get_seq_length()) == before
+    small.kv.check()
+    reply = session.generate(8)  # still usable, and right
+    assert reply == _solo(small, before[0] + small._encode(SegmentKind.ASSISTANT, ""), 8)
+    with pytest.raises(OutOfBlocksError):
+        small.new_session(system=("agent", "v1")).compact("y" * 200)
+    small.kv.check()
+    session.close()
+    with pytest.raises(ConfigError, match="closed"):
+        session.append(SegmentKind.USER, "u", "hi")
+
+
+def test_compaction_keeps_injected_memories(manager):
+    memory = manager.build_memory("settings", MEMORY_1)
+    session = manager.new_session(memories=[memory])
+    session.append(SegmentKind.USER, "u", "Some long talk. " * 10)
+    session.compact("Summary: talked.\n")
+    assert [s.kind for s in session.segment_list] == [SegmentKind.MEMORY, SegmentKind.SUMMARY]
+    assert session.token_ids[: len(memory.token_ids)] == list(memory.token_ids)
+
+
+def test_loaded_kv_is_not_offered_to_other_sessions(manager, tmp_path):
+    session = manager.new_session(system=("agent", "v1"))
+    path = session.save(tmp_path / "s")
+    session.close()
+    for block in list(manager.kv.allocator.cached_blocks()):  # forget everything cached so far
+        manager.kv.prefix_cache.forget(block)
+    restored = manager.load(path)
+    hits_before = manager.kv.prefix_cache.hit_tokens
+    fresh = manager.new_session(system=("agent", "v1"))
+    assert manager.kv.prefix_cache.hit_tokens == hits_before  # nothing of the file was reused
+    assert not set(fresh.cache.sequences[0].block_table) & set(restored.cache.sequences[0].block_table)

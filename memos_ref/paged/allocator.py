@@ -202,6 +202,8 @@ class BlockAllocator:
                 self._check_id(block)
                 drops[block] = drops.get(block, 0) + 1
             for block, count in drops.items():
+                if self.state[block] == BlockState.FREE:
+                    raise DoubleFreeError(f"block {block} is already free")
                 if self.state[block] != BlockState.ACTIVE or self.refcount[block] < count:
                     raise RefcountUnderflowError(
                         f"block {block}: freeing {count} holder(s) but it has refcount {self.refcount[block]} "

@@ -69,3 +69,12 @@ def check_invariants(
             stale = sorted(b for b in prefix_cache._hash_of if allocator.state[b] == BlockState.FREE)
             if stale:
                 raise InvariantError(f"prefix-cached blocks {stale} are on the free list", stale)
+            t = prefix_cache.block_size
+            for seq in sequences:  # a holder's tokens must be the tokens the cache says the block holds
+                for i, block in enumerate(seq.block_table):
+                    stored = prefix_cache._tokens_of.get(block)
+                    held = tuple(seq.token_ids[i * t : (i + 1) * t])
+                    if stored is not None and len(held) == t and -1 not in held and held != stored:
+                        raise InvariantError(
+                            f"sequence {seq.seq_id} holds prefix-cached block {block} with other token ids", [block]
+                        )

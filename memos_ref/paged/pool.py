@@ -118,8 +118,8 @@ class BlockPool:
         return groups
 
     # ------------------------------------------------------------------ data movement
-    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Scatter one layer's K/V ``[n, H, D]`` into ``slots [n]`` (slot = block · T + offset; -1 skips)."""
+    def check_kv(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Reject K/V ``[n, H, D]`` this pool cannot store (shape, dtype, device), naming expected and actual."""
         h, d = self.spec.num_kv_heads, self.spec.head_dim
         if key.shape != value.shape or key.ndim != 3 or key.shape[1:] != (h, d):
             raise ShapeError(
@@ -130,6 +130,10 @@ class BlockPool:
             raise DTypeError(f"key/value dtype {key.dtype}/{value.dtype} does not match the pool's {self.spec.dtype}")
         if key.device != self.device:
             raise DeviceError(f"key device {key.device} does not match the pool's {self.device}")
+
+    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Scatter one layer's K/V ``[n, H, D]`` into ``slots [n]`` (slot = block · T + offset; -1 skips)."""
+        self.check_kv(key, value)
         if slots.shape != (key.shape[0],):
             raise ShapeError(f"slots must be [{key.shape[0]}], got {tuple(slots.shape)}")
         t = self.spec.block_size

@@ -14,7 +14,6 @@ only in tokens actually reused.
 from __future__ import annotations
 
 import hashlib
-import threading
 from array import array
 from collections.abc import Sequence
 
@@ -70,7 +69,9 @@ class PrefixCache:
         if block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {block_size}")
         self.allocator, self.block_size, self.fingerprint = allocator, block_size, fingerprint
-        self._lock = threading.RLock()
+        # One lock for both: allocate() evicts (and calls back into this cache) under the allocator's lock,
+        # and lookup() increfs under this one; two locks taken in opposite orders would deadlock.
+        self._lock = allocator._lock
         self._block_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._tokens_of: dict[int, tuple[int, ...]] = {}
@@ -148,6 +149,11 @@ class PrefixCache:
             self.query_tokens += len(token_ids)
             self.hit_tokens += len(found) * self.block_size
         return found
+
+    def uncount_hits(self, tokens: int) -> None:
+        """Take back hit tokens a caller looked up but did not use (hits count only reused tokens)."""
+        with self._lock:
+            self.hit_tokens -= tokens
 
     def stats(self) -> dict[str, float]:
         with self._lock:

@@ -137,6 +137,7 @@ class SequenceCache:
         if not 0 <= layer < len(self.layer_tokens):
             raise ConfigError(f"layer {layer} is not in [0, {len(self.layer_tokens)})")
         n = key.shape[1]
+        self.pool.check_kv(key.transpose(0, 1), value.transpose(0, 1))  # before anything is reserved
         with self._lock:
             start = self.layer_tokens[layer]
             beyond = start + n - self.num_tokens
