@@ -222,24 +222,38 @@ def human(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: str) -> None:
-    """ms/token against context, one panel per model, log-log."""
+    """Top: ms/token against context for every method (log-log, no-cache included). Bottom: the cached methods
+    only, on a linear scale, where their differences are visible. One column per model."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     models = sorted({r["model"] for r in report["results"]})
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    contexts = sorted({r["context"] for r in report["results"]})
+    fig, axes = plt.subplots(2, len(models), figsize=(6.5 * len(models), 8), squeeze=False)
+    for col, model in enumerate(models):
         series: dict[str, list[tuple[int, float]]] = {}
         for r in report["results"]:
             if r["model"] == model:
                 series.setdefault(f"{r['method']} ({r['forward']})", []).append((r["context"], r["ms_per_token"]))
-        for label, points in series.items():
-            xs, ys = zip(*sorted(points))
-            ax.plot(xs, ys, marker="o", label=label)
-        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms / token", title=model)
-        ax.legend(fontsize=7)
+        for row, cached_only in enumerate((False, True)):
+            ax = axes[row][col]
+            for i, (label, points) in enumerate(series.items()):
+                if cached_only and label.startswith("no_cache"):
+                    continue
+                xs, ys = zip(*sorted(points))
+                ax.plot(xs, ys, marker="o", label=label, color=f"C{i % 10}")  # same colour in both rows
+            ax.set_xscale("log")
+            ax.set_xticks(contexts, [str(c) for c in contexts])
+            ax.minorticks_off()
+            ax.set(
+                yscale="linear" if cached_only else "log",
+                xlabel="context (tokens)",
+                ylabel="ms / token",
+                title=f"{model}: {'cached methods' if cached_only else 'all methods'}",
+            )
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
