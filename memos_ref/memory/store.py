@@ -1,0 +1,228 @@
+"""TTLStore: the application-level short-term memory of an agent (seed 002) — a bounded key-value cache with
+absolute expiry, hybrid LRU/LFU eviction and an expiry heap. One shard; :class:`ShardedStore` adds locks.
+
+Semantics (seed 002 §3, §7):
+
+* ``set`` stores a value with a TTL; overwriting resets ``access_count`` and restarts the TTL;
+* ``get`` never extends the TTL (§7.2's bug) and expires lazily; ``sweep()`` pops an expiry min-heap instead of
+  scanning everything (stale heap entries — overwritten or deleted keys — are skipped by a version check);
+* values are stored as JSON bytes and every ``get`` decodes a fresh copy, so a caller can never mutate the
+  stored value (§7.1's bug); the cost is one ``json.loads`` per hit, paid for safety;
+* capacity by entry count, total bytes and largest value (a value over the limit is refused with
+  :class:`CapacityExceededError`: §4.3, §7.3);
+* eviction policy ``"lru"``, ``"lfu"`` or ``"hybrid"`` — score ``(1 + a·access_count) / (1 + age/b)``, lowest
+  evicted (§4.2; ``a`` = 0.1, ``b`` = 1000 s by default). LRU is O(1) (an ordered dict in access order); LFU
+  and hybrid score the ``sample`` least recently used entries (default 16, as Redis approximates LFU), or all
+  entries with ``sample=None``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from memos_ref.errors import CapacityExceededError, ConfigError
+
+__all__ = ["POLICIES", "KVEntry", "TTLStore", "validate_key"]
+
+POLICIES = ("lru", "lfu", "hybrid")
+_MAX_KEY = 250
+
+
+def validate_key(key: str) -> str:
+    """Keys become Redis keys: printable, no whitespace or control characters, at most 250 characters."""
+    if (
+        not isinstance(key, str)
+        or not key
+        or len(key) > _MAX_KEY
+        or not key.isprintable()
+        or any(c.isspace() for c in key)
+    ):
+        raise ConfigError(f"invalid key {key!r}: expected 1-{_MAX_KEY} printable characters without whitespace")
+    return key
+
+
+@dataclass
+class KVEntry:
+    key: str
+    payload: bytes  # the value as JSON
+    expire_at: float | None
+    access_count: int
+    last_access: float
+    created: float
+    version: int
+
+    @property
+    def size_bytes(self) -> int:
+        return len(self.payload) + len(self.key)
+
+
+class TTLStore:
+    """A bounded TTL cache (one shard, not thread-safe on its own: see :class:`ShardedStore`).
+
+    Args:
+        max_entries / max_bytes / max_value_bytes: capacity limits.
+        policy: ``"lru"``, ``"lfu"`` or ``"hybrid"``.
+        default_ttl: seconds, or None for no expiry.
+        clock: returns the current time in seconds (inject a fake one in tests).
+        hybrid_weights: ``(a, b)`` of the hybrid score.
+        sample: entries scored per eviction for lfu/hybrid (None = all).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_entries: int = 10_000,
+        max_bytes: int = 64 * 2**20,
+        max_value_bytes: int = 2**20,
+        policy: str = "hybrid",
+        default_ttl: float | None = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+        hybrid_weights: tuple[float, float] = (0.1, 1000.0),
+        sample: int | None = 16,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if min(max_entries, max_bytes, max_value_bytes) <= 0:
+            raise ConfigError("capacity limits must be positive")
+        self.max_entries, self.max_bytes, self.max_value_bytes = max_entries, max_bytes, max_value_bytes
+        self.policy, self.default_ttl, self.clock = policy, default_ttl, clock
+        self.hybrid_a, self.hybrid_b = hybrid_weights
+        self.sample = sample
+        self._entries: OrderedDict[str, KVEntry] = OrderedDict()  # least recently used first
+        self._heap: list[tuple[float, int, str]] = []  # (expire_at, version, key)
+        self._version = 0
+        self.bytes = 0
+        self.stats: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ basics
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and not self._expired(entry, self.clock())
+
+    def _expired(self, entry: KVEntry, now: float) -> bool:
+        return entry.expire_at is not None and now >= entry.expire_at
+
+    def _remove(self, key: str, reason: str | None = None) -> None:
+        entry = self._entries.pop(key)
+        self.bytes -= entry.size_bytes
+        if reason:
+            self.stats[reason] += 1
+
+    def set(self, key: str, value: Any, ttl: float | None = ...) -> None:  # type: ignore[assignment]
+        """Store ``value`` (JSON-serialisable) for ``ttl`` seconds (default: the store's); resets its count."""
+        validate_key(key)
+        try:
+            payload = json.dumps(value, separators=(",", ":")).encode()
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"value for {key!r} is not JSON-serialisable: {exc}") from None
+        size = len(payload) + len(key)
+        if size > self.max_value_bytes:
+            raise CapacityExceededError(
+                f"value for {key!r} is {size} bytes; the largest allowed is {self.max_value_bytes}",
+                needed=size,
+                capacity=self.max_value_bytes,
+            )
+        ttl = self.default_ttl if ttl is ... else ttl
+        if ttl is not None and ttl <= 0:
+            raise ConfigError(f"ttl must be positive or None, got {ttl}")
+        now = self.clock()
+        if key in self._entries:
+            self._remove(key)
+        self._version += 1
+        expire_at = None if ttl is None else now + ttl
+        entry = KVEntry(key, payload, expire_at, 0, now, now, self._version)
+        self._entries[key] = entry
+        self.bytes += size
+        if expire_at is not None:
+            heapq.heappush(self._heap, (expire_at, self._version, key))
+        self.stats["sets"] += 1
+        self._evict_to_fit(protect=key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A fresh copy of the value, or ``default`` if missing or expired. Never extends the TTL."""
+        validate_key(key)
+        now = self.clock()
+        entry = self._entries.get(key)
+        if entry is None:
+            self.stats["misses"] += 1
+            return default
+        if self._expired(entry, now):
+            self._remove(key, "expirations")
+            self.stats["misses"] += 1
+            return default
+        entry.access_count += 1
+        entry.last_access = now
+        self._entries.move_to_end(key)
+        self.stats["hits"] += 1
+        return json.loads(entry.payload)
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; True if a live entry was removed (an expired one is dropped and reported as absent)."""
+        validate_key(key)
+        entry = self._entries.get(key)
+        if entry is None:
+            return False
+        if self._expired(entry, self.clock()):
+            self._remove(key, "expirations")
+            return False
+        self._remove(key, "deletes")
+        return True
+
+    def entry(self, key: str) -> KVEntry | None:
+        """The entry's metadata (a copy), for inspection."""
+        entry = self._entries.get(key)
+        return None if entry is None else KVEntry(**vars(entry))
+
+    # ------------------------------------------------------------------ expiry and eviction
+    def sweep(self) -> int:
+        """Remove every expired entry by popping the expiry heap; returns how many were removed."""
+        now, removed = self.clock(), 0
+        while self._heap and self._heap[0][0] <= now:
+            _, version, key = heapq.heappop(self._heap)
+            entry = self._entries.get(key)
+            if entry is not None and entry.version == version:  # else: stale (overwritten or deleted)
+                self._remove(key, "expirations")
+                removed += 1
+        if len(self._heap) > 4 * max(16, len(self._entries)):  # too many stale entries: rebuild
+            self._heap = [(e.expire_at, e.version, k) for k, e in self._entries.items() if e.expire_at is not None]
+            heapq.heapify(self._heap)
+        return removed
+
+    def score(self, entry: KVEntry, now: float) -> float:
+        """Higher is more worth keeping."""
+        if self.policy == "lfu":
+            return float(entry.access_count)
+        age = max(0.0, now - entry.last_access)
+        return (1 + self.hybrid_a * entry.access_count) / (1 + age / self.hybrid_b)
+
+    def _victim(self, protect: str) -> str:
+        if self.policy == "lru":
+            return next(k for k in self._entries if k != protect)
+        now = self.clock()
+        candidates = []
+        for key in self._entries:  # least recently used first
+            if key != protect:
+                candidates.append(key)
+            if self.sample is not None and len(candidates) >= self.sample:
+                break
+        return min(candidates, key=lambda k: self.score(self._entries[k], now))
+
+    def _evict_to_fit(self, protect: str) -> None:
+        if len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+            self.sweep()  # expired entries go first
+        while len(self._entries) > self.max_entries:
+            self._remove(self._victim(protect), "evictions_entries")
+        while self.bytes > self.max_bytes and len(self._entries) > 1:
+            self._remove(self._victim(protect), "evictions_bytes")
+
+    def snapshot_stats(self) -> dict[str, int]:
+        return {**self.stats, "size": len(self._entries), "bytes": self.bytes}

@@ -1,0 +1,196 @@
+"""The short-term memory store (seed 002): semantics against a model, eviction policies, threads, stampedes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from memos_ref.errors import CapacityExceededError, ConfigError
+from memos_ref.memory import ShardedStore, TTLStore
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_overwrite_resets_count_and_ttl_and_get_never_extends_it():
+    clock = FakeClock()
+    store = TTLStore(clock=clock, default_ttl=10)
+    store.set("k", {"v": 1})
+    store.get("k")
+    store.get("k")
+    assert store.entry("k").access_count == 2
+    clock.now += 9
+    assert store.get("k") == {"v": 1}  # read at 9 s ...
+    clock.now += 1.5
+    assert store.get("k") is None  # ... does not extend the TTL (seed 002 §7.2)
+    store.set("k", {"v": 2})
+    clock.now += 9
+    store.set("k", {"v": 3})  # overwrite restarts the TTL and resets the count
+    assert store.entry("k").access_count == 0
+    clock.now += 9
+    assert store.get("k") == {"v": 3}
+
+
+def test_get_returns_a_copy_not_the_stored_object():
+    store = TTLStore()
+    store.set("plan", {"steps": [1, 2]})
+    got = store.get("plan")
+    got["steps"].append(3)  # seed 002 §7.1: mutating what get returned must not change the cache
+    assert store.get("plan") == {"steps": [1, 2]}
+
+
+def test_capacity_limits_and_clear_errors():
+    store = TTLStore(max_entries=3, max_value_bytes=64, policy="lru")
+    for i in range(4):
+        store.set(f"k{i}", i)
+    assert "k0" not in store and len(store) == 3 and store.stats["evictions_entries"] == 1
+    with pytest.raises(CapacityExceededError, match="largest allowed is 64"):
+        store.set("big", "x" * 100)  # seed 002 §4.3/§7.3: rejected, not silently stored
+    assert "big" not in store and len(store) == 3
+    with pytest.raises(ConfigError, match="invalid key"):
+        store.set("has space", 1)
+    with pytest.raises(ConfigError, match="JSON"):
+        store.set("obj", object())
+    with pytest.raises(ConfigError):
+        TTLStore(policy="fifo")
+
+
+def test_sweep_pops_the_heap_and_skips_stale_entries():
+    clock = FakeClock()
+    store = TTLStore(clock=clock, default_ttl=5)
+    for i in range(10):
+        store.set(f"k{i}", i, ttl=1 + i)
+    store.set("k0", "again", ttl=100)  # the heap's old entry for k0 is now stale
+    store.delete("k1")
+    clock.now += 5.5
+    assert store.sweep() == 3  # k2, k3, k4 expired; k0 (stale entry) and k1 (deleted) skipped
+    assert store.get("k0") == "again" and len(store) == 6
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "hybrid"])
+def test_policies_keep_what_they_should(policy):
+    clock = FakeClock()
+    store = TTLStore(clock=clock, max_entries=3, policy=policy, default_ttl=None, sample=None)
+    for key in ("a", "b", "c"):
+        store.set(key, key)
+        clock.now += 1
+    for _ in range(5):
+        store.get("a")  # "a": oldest write but the most used
+    clock.now += 1
+    store.get("b")  # "b": used once, most recently
+    store.set("d", "d")
+    survivors = {k for k in "abcd" if k in store}
+    expected = {"lru": {"a", "b", "d"}, "lfu": {"a", "b", "d"}, "hybrid": {"a", "b", "d"}}[policy]
+    assert survivors == expected  # "c" (never read) goes under every policy
+    store.set("e", "e")  # now LRU drops the least recent ("a"), LFU and hybrid keep the frequent "a"
+    assert ("a" in store) == (policy != "lru")
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """The store against a model: a dict of (value, expire_at) and a clock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock()
+        self.store = TTLStore(clock=self.clock, max_entries=1000, default_ttl=10)
+        self.model: dict[str, tuple[int, float]] = {}
+
+    keys = st.sampled_from(["a", "b", "c", "d", "e"])
+
+    @rule(key=keys, value=st.integers(), ttl=st.sampled_from([1.0, 5.0, 10.0]))
+    def set(self, key, value, ttl):
+        self.store.set(key, value, ttl)
+        self.model[key] = (value, self.clock.now + ttl)
+
+    @rule(key=keys)
+    def get(self, key):
+        value, expire = self.model.get(key, (None, 0.0))
+        expected = value if self.clock.now < expire else None
+        assert self.store.get(key) == expected
+
+    @rule(key=keys)
+    def delete(self, key):
+        live = key in self.model and self.clock.now < self.model[key][1]
+        assert self.store.delete(key) == live
+        self.model.pop(key, None)
+
+    @rule(dt=st.floats(0, 6))
+    def tick(self, dt):
+        self.clock.now += dt
+
+    @rule()
+    def sweep(self):
+        self.store.sweep()
+        for key in [k for k, (_, e) in self.model.items() if self.clock.now >= e]:
+            del self.model[key]
+
+    @invariant()
+    def contents_agree(self):
+        for key, (value, expire) in self.model.items():
+            assert (key in self.store) == (self.clock.now < expire)
+
+
+TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_sharded_store_under_threads():
+    store = ShardedStore(shards=8, max_entries=10_000, default_ttl=None)
+    errors = []
+
+    def worker(n: int) -> None:
+        try:
+            for i in range(2000):
+                store.set(f"t{n}-k{i % 100}", i)
+                assert store.get(f"t{n}-k{i % 100}") == i
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(store) == 800
+    stats = store.stats()
+    assert stats["sets"] == 16_000 and stats["hits"] == 16_000
+
+
+def test_single_flight_and_negative_caching():
+    store = ShardedStore(shards=4, default_ttl=60, negative_ttl=1)
+    calls = []
+
+    def slow() -> dict:
+        calls.append(1)
+        time.sleep(0.1)
+        return {"answer": 42}
+
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(store.get_or_compute("q", slow))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and results == [{"answer": 42}] * 8  # eight concurrent misses, one computation
+    misses = []
+    assert store.get_or_compute("nothing", lambda: misses.append(1)) is None
+    assert store.get_or_compute("nothing", lambda: misses.append(1)) is None
+    assert len(misses) == 1  # the miss itself was cached
+
+
+def test_ttl_jitter_spreads_expiry():
+    store = ShardedStore(shards=1, ttl_jitter=0.2, seed=3, default_ttl=100)
+    for i in range(50):
+        store.set(f"k{i}", i)
+    expiries = {round(e.expire_at - e.created, 3) for e in store.shards[0]._entries.values()}
+    assert len(expiries) > 40 and all(80 <= x <= 120 for x in expiries)
