@@ -8,12 +8,17 @@ sequence lengths), the same inputs a Triton or CUDA paged-attention kernel takes
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from memos_ref.errors import ShapeError
 
-__all__ = ["dense_attention", "gather_kv", "paged_attention"]
+if TYPE_CHECKING:
+    from memos_ref.paged.sequence import SequenceCache
+
+__all__ = ["attend_sequences", "dense_attention", "gather_kv", "paged_attention"]
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
@@ -94,3 +99,24 @@ def paged_attention(
         k, v = gather_kv(key_cache, value_cache, block_tables[i], n)
         out[i, :, :nq_i] = dense_attention(query[i, :, :nq_i], k, v, scale=scale)
     return out
+
+
+def attend_sequences(
+    query: torch.Tensor, sequences: Sequence[SequenceCache], layer: int, *, scale: float | None = None
+) -> torch.Tensor:
+    """Attention of each sequence's newest queries ``[B, Hq, Q, D]`` over its own pages in one layer.
+
+    Builds the block tables and lengths :func:`paged_attention` takes (the call a kernel replaces); a pool in
+    several segments has no single cache tensor, so its sequences are gathered one by one instead.
+    """
+    pool = sequences[0].pool
+    if len(pool.segments) != 1:
+        rows = [dense_attention(query[i], *seq.to_dense(layer), scale=scale) for i, seq in enumerate(sequences)]
+        return torch.stack(rows)
+    widest = max(seq.num_blocks for seq in sequences)
+    tables = torch.full((len(sequences), widest), -1, dtype=torch.long)  # [B, max_blocks], -1 = padding
+    for i, seq in enumerate(sequences):
+        tables[i, : seq.num_blocks] = seq.block_table_tensor()
+    lens = torch.tensor([seq.layer_tokens[layer] for seq in sequences])  # [B]
+    view = pool.layer_view(layer)  # [num_blocks, 2, H, T, D]
+    return paged_attention(query, view[:, 0], view[:, 1], tables, lens, scale=scale)

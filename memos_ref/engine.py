@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from memos_ref.attention import paged_attention
+from memos_ref.attention import attend_sequences
 from memos_ref.errors import ConfigError, OutOfBlocksError
 from memos_ref.paged.sequence import SequenceCache
 from memos_ref.paged.store import PagedKV
@@ -76,14 +76,7 @@ class _Rows:
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int) -> torch.Tensor:
         for row, seq in enumerate(self.sequences):
             seq.append(layer, key[row], value[row])
-        pool = self.sequences[0].pool
-        widest = max(seq.num_blocks for seq in self.sequences)
-        tables = torch.full((len(self.sequences), widest), -1, dtype=torch.long)
-        for i, seq in enumerate(self.sequences):
-            tables[i, : seq.num_blocks] = seq.block_table_tensor()
-        lens = torch.tensor([seq.layer_tokens[layer] for seq in self.sequences])
-        view = pool.layer_view(layer)  # [num_blocks, 2, H, T, D]
-        return paged_attention(query, view[:, 0], view[:, 1], tables, lens)
+        return attend_sequences(query, self.sequences, layer)
 
 
 class Engine:

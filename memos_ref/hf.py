@@ -225,22 +225,9 @@ class PagedCache(Cache):
         return self._attend_stored(query, layer)
 
     def _attend_stored(self, query: torch.Tensor, layer: int, scale: float | None = None) -> torch.Tensor:
-        from memos_ref.attention import paged_attention
+        from memos_ref.attention import attend_sequences
 
-        pool = self.kv.pool
-        if len(pool.segments) != 1:  # the kernel-shaped call wants one tensor: fall back to gathering
-            from memos_ref.attention import dense_attention
-
-            return torch.stack(
-                [dense_attention(query[i], *seq.to_dense(layer)) for i, seq in enumerate(self.sequences)]
-            )
-        widest = max(seq.num_blocks for seq in self.sequences)
-        tables = torch.full((len(self.sequences), widest), -1, dtype=torch.long)
-        for i, seq in enumerate(self.sequences):
-            tables[i, : seq.num_blocks] = seq.block_table_tensor()
-        lens = torch.tensor([seq.layer_tokens[layer] for seq in self.sequences])
-        layer_view = pool.layer_view(layer)  # [num_blocks, 2, H, T, D]
-        return paged_attention(query, layer_view[:, 0], layer_view[:, 1], tables, lens, scale=scale)
+        return attend_sequences(query, self.sequences, layer, scale=scale)
 
     def _update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[Any, Any]:
         self._write(key, value, layer)
