@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.memos-ref-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup lab test lint unit notebooks demo bench clean
+.PHONY: setup redis lab test lint unit notebooks demo bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,18 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	@touch $(STAMP)
 
+# The Redis backend's tests, notebook 10 and `bench memory` start a private redis-server: install it when
+# missing (Debian/Ubuntu; root or passwordless sudo). In CI a missing redis-server is an error; elsewhere the
+# Redis tests skip with a reason.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$$SUDO apt-get install -y redis-server >/dev/null 2>&1 \
+		|| { $$SUDO apt-get update >/dev/null 2>&1 && $$SUDO apt-get install -y redis-server >/dev/null; } \
+		|| { if [ -n "$$CI" ]; then echo "error: could not install redis-server (apt-get install -y redis-server)"; exit 1; \
+		     else echo "warning: redis-server is missing; the Redis tests will be skipped"; fi; }; }
+
 # Jupyter refuses to run as root unless told to (containers, CI machines).
 LAB_FLAGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 
@@ -38,10 +50,10 @@ lint: setup
 	$(BIN)/ruff check memos_ref kernels edge tests notebooks
 	$(BIN)/ruff format --check memos_ref kernels edge tests
 
-unit: setup
+unit: setup redis
 	$(BIN)/python -m pytest tests
 
-notebooks: setup
+notebooks: setup redis
 	$(BIN)/python -m pytest --nbmake --nbmake-timeout=120 notebooks
 
 test: lint unit notebooks
@@ -49,9 +61,9 @@ test: lint unit notebooks
 demo: setup
 	$(BIN)/python -m memos_ref.demo
 
-bench: setup
+bench: setup redis
 	@mkdir -p bench_results
-	@for name in decode growth allocator waste sharing agent; do \
+	@for name in decode growth allocator waste sharing agent memory; do \
 		echo "== bench $$name"; \
 		$(BIN)/python -m memos_ref.bench $$name --plot bench_results/$$name.png || exit 1; \
 	done

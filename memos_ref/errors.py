@@ -8,6 +8,7 @@ the structure it was called on exactly as it was.
 from __future__ import annotations
 
 __all__ = [
+    "BackendDegradedWarning",
     "BackendUnavailableError",
     "CapacityExceededError",
     "ConfigError",
@@ -101,3 +102,7 @@ class InvariantError(KVCacheError, AssertionError):
     def __init__(self, message: str, blocks: list[int] | None = None) -> None:
         super().__init__(message)
         self.blocks = blocks or []
+
+
+class BackendDegradedWarning(RuntimeWarning):
+    """A remote backend stopped answering; until it returns, reads answer as misses and writes are dropped."""

@@ -198,3 +198,41 @@ def test_ttl_jitter_spreads_expiry():
         store.set(f"k{i}", i)
     expiries = {round(e.expire_at - e.created, 3) for e in store.shards[0]._entries.values()}
     assert len(expiries) > 40 and all(80 <= x <= 120 for x in expiries)
+
+
+def test_lru_replay_equals_cachetools_and_unbounded_equals_a_dict_oracle():
+    """Two independent oracles for the hit-rate replay: cachetools' TTLCache is LRU with a TTL, like our "lru"
+    policy, so the hit rates must agree exactly; an unbounded cache hits iff the key was stored < TTL ago."""
+    import cachetools
+
+    from memos_ref.memory.access_pattern import agent_memory_trace, replay_hit_rate
+
+    trace = agent_memory_trace(3_000, seed=5)
+    clock = FakeClock()
+    ours = TTLStore(max_entries=64, policy="lru", default_ttl=30.0, clock=clock)
+    mine = replay_hit_rate(ours.get, ours.set, trace, clock)
+    clock = FakeClock()
+    theirs = cachetools.TTLCache(maxsize=64, ttl=30.0, timer=clock)
+    assert replay_hit_rate(theirs.get, theirs.__setitem__, trace, clock) == mine
+
+    clock = FakeClock()
+    unbounded = TTLStore(max_entries=10**9, max_bytes=2**40, default_ttl=30.0, clock=clock)
+    got = replay_hit_rate(unbounded.get, unbounded.set, trace, clock)["hit_rate"]
+    stored_at: dict[str, float] = {}
+    hits = 0
+    for a in trace:
+        if a.key in stored_at and a.t - stored_at[a.key] < 30.0:
+            hits += 1
+        else:
+            stored_at[a.key] = a.t
+    assert got == hits / len(trace)
+    assert mine["hit_rate"] < got  # a bounded cache can only lose hits
+
+
+def test_frequency_keeps_hot_entries_through_scans():
+    from memos_ref.bench.memory import policy_hit_rates
+
+    rates = policy_hit_rates(capacity=64, num_ops=4_000)
+    assert rates["lfu"]["hit_rate_hot"] > rates["lru"]["hit_rate_hot"]  # scans flush LRU's hot entries
+    assert all(r["hit_rate_scan"] == 0 for r in rates.values())  # one-off reads can never hit
+    assert max(r["hit_rate"] for r in rates.values()) == rates["unbounded"]["hit_rate"]

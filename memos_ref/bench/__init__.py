@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "allocator": "memos_ref.bench.allocator",
     "decode": "memos_ref.bench.decode",
     "growth": "memos_ref.bench.growth",
+    "memory": "memos_ref.bench.memory",
     "sharing": "memos_ref.bench.sharing",
     "waste": "memos_ref.bench.waste",
 }

@@ -36,13 +36,8 @@ _MAX_KEY = 250
 
 def validate_key(key: str) -> str:
     """Keys become Redis keys: printable, no whitespace or control characters, at most 250 characters."""
-    if (
-        not isinstance(key, str)
-        or not key
-        or len(key) > _MAX_KEY
-        or not key.isprintable()
-        or any(c.isspace() for c in key)
-    ):
+    # str.isprintable() is False for every whitespace character except the ASCII space, checked separately.
+    if not isinstance(key, str) or not 0 < len(key) <= _MAX_KEY or not key.isprintable() or " " in key:
         raise ConfigError(f"invalid key {key!r}: expected 1-{_MAX_KEY} printable characters without whitespace")
     return key
 
@@ -176,6 +171,21 @@ class TTLStore:
             return False
         self._remove(key, "deletes")
         return True
+
+    def remaining_ttl(self, key: str) -> float | None:
+        """Seconds until ``key`` expires (None: never). Raises KeyError if it is absent or expired."""
+        entry = self._entries.get(validate_key(key))
+        now = self.clock()
+        if entry is None or self._expired(entry, now):
+            raise KeyError(key)
+        return None if entry.expire_at is None else entry.expire_at - now
+
+    def clear(self) -> None:
+        """Drop every entry (counted as ``deletes``)."""
+        self.stats["deletes"] += len(self._entries)
+        self._entries.clear()
+        self._heap.clear()
+        self.bytes = 0
 
     def entry(self, key: str) -> KVEntry | None:
         """The entry's metadata (a copy), for inspection."""

@@ -1,0 +1,247 @@
+"""RedisBackend: the short-term memory store in a Redis server, shared by every process that points at it.
+
+* **Native TTLs**: ``SET key value PX ms`` — the server expires entries; a ``GET`` never extends a TTL and an
+  overwrite restarts it, the same semantics as :class:`~memos_ref.memory.store.TTLStore`.
+* **Namespaced keys**: ``{namespace}:{tenant}:{key}``, so several stores (or tenants) share one server and
+  ``clear()`` removes only its own keys (``SCAN`` + ``UNLINK``, never ``FLUSHDB``).
+* **JSON values**, never pickle: a value read back from a shared server cannot run code.
+* **Eviction** is the server's: set ``maxmemory`` and ``maxmemory-policy allkeys-lfu`` (Redis's approximated
+  LFU, the nearest to the hybrid score) on the server; this class does not reconfigure a shared server.
+* **Degraded mode**: every call has a socket timeout (default 50 ms) and no retries. A lost connection warns
+  once (:class:`~memos_ref.errors.BackendDegradedWarning`), counts an error, and for ``retry_after`` seconds
+  every read answers "miss" and every write is dropped without touching the network — so an agent keeps
+  working, only slower, and never blocks on a dead server. After ``retry_after`` the next call tries again.
+
+Point it at an existing Redis with ``RedisBackend("redis://host:6379/0", namespace="myapp")``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from memos_ref.errors import BackendDegradedWarning, BackendUnavailableError, CapacityExceededError, ConfigError
+from memos_ref.memory.backend import DEFAULT, CacheBackend
+from memos_ref.memory.store import validate_key
+
+__all__ = ["RedisBackend"]
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def _encode(key: str, value: Any) -> bytes:
+    try:
+        return json.dumps(value, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"value for {key!r} is not JSON-serialisable: {exc}") from None
+
+
+class RedisBackend(CacheBackend):
+    """The short-term memory store over Redis (redis-py).
+
+    Args:
+        url: ``redis://host:port/db`` (ignored when ``client`` is given).
+        client: an existing ``redis.Redis`` (its own timeouts and retries then apply).
+        namespace / tenant: key prefix parts; letters, digits, ``_``, ``.``, ``-`` only.
+        max_value_bytes: the largest value (JSON bytes + key) accepted, as in the memory backend.
+        timeout: socket connect and read timeout in seconds — the longest a call can block.
+        retry_after: seconds a lost server is left alone before the next attempt.
+        clock: the time source for ``retry_after`` (inject one in tests).
+        default_ttl / negative_ttl / ttl_jitter / seed: see :class:`CacheBackend`.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        client: Any = None,
+        namespace: str = "memos",
+        tenant: str = "default",
+        default_ttl: float | None = 300.0,
+        negative_ttl: float = 5.0,
+        ttl_jitter: float = 0.0,
+        seed: int = 0,
+        max_value_bytes: int = 2**20,
+        timeout: float = 0.05,
+        retry_after: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(default_ttl=default_ttl, negative_ttl=negative_ttl, ttl_jitter=ttl_jitter, seed=seed)
+        for label, value in (("namespace", namespace), ("tenant", tenant)):
+            if not isinstance(value, str) or not _NAME.fullmatch(value):
+                raise ConfigError(f"{label} must be 1-64 of [A-Za-z0-9_.-], got {value!r}")
+        if max_value_bytes <= 0 or timeout <= 0 or retry_after < 0:
+            raise ConfigError("max_value_bytes and timeout must be positive, retry_after non-negative")
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError as exc:  # pragma: no cover - redis is a dependency
+            raise BackendUnavailableError("redis-py is not installed: pip install redis") from exc
+        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self.url = url
+        self.client = client or redis.Redis.from_url(
+            url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
+        )
+        self.prefix = f"{namespace}:{tenant}:"
+        self.max_value_bytes, self.retry_after, self.clock = max_value_bytes, retry_after, clock
+        self._down_until: float | None = None
+        self.degraded = False
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ plumbing
+    def _key(self, key: str) -> str:
+        return self.prefix + validate_key(key)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def _degraded(self) -> bool:
+        return self._down_until is not None and self.clock() < self._down_until
+
+    def _call(self, fn: Callable[[], Any], fallback: Any) -> Any:
+        """Run one Redis call; on a lost connection enter degraded mode and return ``fallback``."""
+        if self._degraded():
+            self._count("degraded_ops")
+            return fallback
+        try:
+            result = fn()
+        except self._errors as exc:
+            self._down_until = self.clock() + self.retry_after
+            self._count("errors")
+            self._count("degraded_ops")
+            if not self.degraded:
+                self.degraded = True
+                warnings.warn(
+                    f"Redis at {self.url} is unreachable ({type(exc).__name__}: {exc}); answering reads as misses "
+                    f"and dropping writes, retrying in {self.retry_after} s",
+                    BackendDegradedWarning,
+                    stacklevel=3,
+                )
+            return fallback
+        if self.degraded:
+            self.degraded = False
+            self._down_until = None
+            self._count("reconnects")
+        return result
+
+    # ------------------------------------------------------------------ the primitives
+    def set(self, key: str, value: Any, ttl: float | None = DEFAULT) -> None:  # type: ignore[assignment]
+        rkey = self._key(key)
+        payload = _encode(key, value)
+        size = len(payload) + len(key)
+        if size > self.max_value_bytes:
+            raise CapacityExceededError(
+                f"value for {key!r} is {size} bytes; the largest allowed is {self.max_value_bytes}",
+                needed=size,
+                capacity=self.max_value_bytes,
+            )
+        ttl = self._ttl_to_store(ttl)
+        px = None if ttl is None else max(1, round(ttl * 1000))
+        if self._call(lambda: self.client.set(rkey, payload, px=px), None) is None:
+            self._count("dropped_sets")
+        else:
+            self._count("sets")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        rkey = self._key(key)
+        raw = self._call(lambda: self.client.get(rkey), None)
+        if raw is None:
+            self._count("misses")
+            return default
+        self._count("hits")
+        return json.loads(raw)
+
+    def delete(self, key: str) -> bool:
+        rkey = self._key(key)
+        removed = bool(self._call(lambda: self.client.delete(rkey), 0))
+        if removed:
+            self._count("deletes")
+        return removed
+
+    def ttl(self, key: str) -> float | None:
+        rkey = self._key(key)
+        ms = self._call(lambda: self.client.pttl(rkey), -2)
+        if ms == -2:
+            raise KeyError(key)
+        return None if ms == -1 else ms / 1000
+
+    def clear(self) -> None:
+        def unlink_namespace() -> int:
+            removed, batch = 0, []
+            for rkey in self.client.scan_iter(match=self.prefix + "*", count=1000):
+                batch.append(rkey)
+                if len(batch) == 1000:
+                    removed += self.client.unlink(*batch)
+                    batch = []
+            if batch:
+                removed += self.client.unlink(*batch)
+            return removed
+
+        self._count("deletes", self._call(unlink_namespace, 0))
+
+    def get_many(self, keys: Iterable[str]) -> dict[str, Any]:
+        keys = list(keys)
+        rkeys = [self._key(k) for k in keys]
+        raws = self._call(lambda: self.client.mget(rkeys), None) if rkeys else []
+        if raws is None:
+            self._count("misses", len(keys))
+            return {}
+        found = {k: json.loads(raw) for k, raw in zip(keys, raws) if raw is not None}
+        self._count("hits", len(found))
+        self._count("misses", len(keys) - len(found))
+        return found
+
+    def set_many(self, items: Mapping[str, Any], ttl: float | None = DEFAULT) -> None:  # type: ignore[assignment]
+        """One round trip (a pipeline) for every item."""
+        prepared = []
+        for key, value in items.items():  # validate everything before writing anything
+            rkey, payload = self._key(key), _encode(key, value)
+            if len(payload) + len(key) > self.max_value_bytes:
+                raise CapacityExceededError(
+                    f"value for {key!r} is {len(payload) + len(key)} bytes; the largest allowed is "
+                    f"{self.max_value_bytes}",
+                    needed=len(payload) + len(key),
+                    capacity=self.max_value_bytes,
+                )
+            stored_ttl = self._ttl_to_store(ttl)
+            prepared.append((rkey, payload, None if stored_ttl is None else max(1, round(stored_ttl * 1000))))
+
+        def write() -> list:
+            pipe = self.client.pipeline(transaction=False)
+            for rkey, payload, px in prepared:
+                pipe.set(rkey, payload, px=px)
+            return pipe.execute()
+
+        if self._call(write, None) is None:
+            self._count("dropped_sets", len(prepared))
+        else:
+            self._count("sets", len(prepared))
+
+    def __len__(self) -> int:
+        return self._call(lambda: sum(1 for _ in self.client.scan_iter(match=self.prefix + "*", count=1000)), 0)
+
+    def _counters(self) -> dict[str, int]:
+        with self._lock:
+            counts = dict(self._counts)
+        counts.setdefault("hits", 0)
+        counts.setdefault("misses", 0)
+        counts["degraded"] = int(self._degraded())
+        if not self._degraded():
+            counts["size"] = len(self)
+            info = self._call(lambda: self.client.info("stats"), {})
+            # server-wide (every namespace on this server), as Redis reports them
+            for name in ("expired_keys", "evicted_keys"):
+                if name in info:
+                    counts[f"server_{name}"] = int(info[name])
+        return counts
