@@ -107,10 +107,11 @@ def attend_sequences(
     """Attention of each sequence's newest queries ``[B, Hq, Q, D]`` over its own pages in one layer.
 
     Builds the block tables and lengths :func:`paged_attention` takes (the call a kernel replaces); a pool in
-    several segments has no single cache tensor, so its sequences are gathered one by one instead.
+    several segments has no single cache tensor, and a quantized pool must be decoded, so their sequences are
+    gathered (dequantized on read) one by one instead.
     """
     pool = sequences[0].pool
-    if len(pool.segments) != 1:
+    if len(pool.segments) != 1 or getattr(pool, "quantized", False):  # gather (and dequantize) per sequence
         rows = [dense_attention(query[i], *seq.to_dense(layer), scale=scale) for i, seq in enumerate(sequences)]
         return torch.stack(rows)
     widest = max(seq.num_blocks for seq in sequences)

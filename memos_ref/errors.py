@@ -23,6 +23,7 @@ __all__ = [
     "OutOfBlocksError",
     "RefcountUnderflowError",
     "ShapeError",
+    "StagingFullError",
 ]
 
 
@@ -70,6 +71,11 @@ class OutOfBlocksError(CapacityExceededError):
             capacity=available,
         )
         self.available = available
+
+
+class StagingFullError(CapacityExceededError):
+    """A quantized pool has no free full-precision staging block for a write (they hold the residual windows
+    of live sequences)."""
 
 
 class InvalidBlockError(KVCacheError, IndexError):

@@ -152,8 +152,8 @@ class SequenceCache:
                 slots = self.slot_mapping(start, start + n)
             self.pool.write(layer, slots, key.transpose(0, 1), value.transpose(0, 1))
             self.layer_tokens[layer] = start + n
-            if self.prefix_cache is not None and self.caught_up:
-                self._register_full_blocks()
+            if self.caught_up:
+                self._after_all_layers()
             return slots
 
     def mark_written(self) -> None:
@@ -161,8 +161,16 @@ class SequenceCache:
         or no tensors at all in a metadata-only simulation); registers full blocks for prefix reuse."""
         with self._lock:
             self.layer_tokens = [self.num_tokens] * len(self.layer_tokens)
-            if self.prefix_cache is not None:
-                self._register_full_blocks()
+            self._after_all_layers()
+
+    def _after_all_layers(self) -> None:
+        """Every layer holds every reserved token: register full blocks for prefix reuse, and let a quantized
+        pool seal the blocks that left the full-precision residual window."""
+        if self.prefix_cache is not None:
+            self._register_full_blocks()
+        seal = getattr(self.pool, "after_append", None)
+        if seal is not None:
+            seal(self.block_table, self.num_tokens)
 
     def set_token_ids(self, token_ids: Sequence[int], start: int = 0) -> None:
         """Record the token ids of positions ``start..`` after the fact (e.g. after ``generate``), so full

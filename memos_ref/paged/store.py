@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from memos_ref.errors import ConfigError
 from memos_ref.paged.allocator import BlockAllocator
 from memos_ref.paged.check import check_invariants
 from memos_ref.paged.pool import BlockPool
@@ -30,6 +31,9 @@ class PagedKV:
         fingerprint: model fingerprint mixed into prefix hashes (KV of one model never serves another).
         prefix_caching: keep full blocks content-addressed for reuse.
         debug: poison freed blocks with NaN so a use-after-free shows in the output.
+        quant: store blocks quantized with this :mod:`memos_ref.quant` scheme (a
+            :class:`~memos_ref.quant.pool.QuantizedBlockPool`; same block ids, sharing and copy-on-write).
+        residual_tokens / staging_blocks / layer_scales: passed to the quantized pool.
     """
 
     def __init__(
@@ -43,10 +47,33 @@ class PagedKV:
         fingerprint: str = "",
         prefix_caching: bool = True,
         debug: bool = False,
+        quant: Any = None,
+        residual_tokens: int | None = None,
+        staging_blocks: int | None = None,
+        layer_scales: torch.Tensor | None = None,
     ) -> None:
         self.spec = spec
-        self.pool = BlockPool(spec, num_blocks, byte_budget=byte_budget, segments=segments, device=device)
-        self.allocator = BlockAllocator(self.pool.num_blocks, on_free=self.pool.poison if debug else None)
+        if quant is None:
+            self.pool = BlockPool(spec, num_blocks, byte_budget=byte_budget, segments=segments, device=device)
+            on_free = self.pool.poison if debug else None
+        else:
+            from memos_ref.quant.pool import QuantizedBlockPool
+
+            if byte_budget is not None or segments != 1:
+                raise ConfigError("a quantized pool is sized by num_blocks and has one segment")
+            self.pool = QuantizedBlockPool(
+                spec,
+                num_blocks,
+                quant,
+                residual_tokens=residual_tokens,
+                staging_blocks=staging_blocks,
+                layer_scales=layer_scales,
+                device=device,
+            )
+            on_free = self.pool.poison if debug else self.pool.release  # a freed block gives back its staging
+        self.allocator = BlockAllocator(self.pool.num_blocks, on_free=on_free)
+        if quant is not None:
+            self.allocator.on_evict = self.pool.release  # the prefix cache chains its own hook onto this
         self.prefix_cache = (
             PrefixCache(self.allocator, spec.block_size, fingerprint=fingerprint) if prefix_caching else None
         )

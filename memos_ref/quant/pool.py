@@ -1,0 +1,395 @@
+"""QuantizedBlockPool: the paged pool with quantized blocks — same block ids, block tables, refcounts, sharing
+and copy-on-write as :class:`~memos_ref.paged.pool.BlockPool`; only what a block *holds* changes.
+
+Storage, preallocated per scheme (``N`` blocks, ``L`` layers, ``H`` KV heads, ``T`` tokens, ``D`` dims):
+
+* int8 per token: codes int8 ``[N, L, 2, H, T, D]`` + fp16 scales ``[N, L, 2, H, T]``;
+* int8 per tensor: codes int8 ``[N, L, 2, H, T, D]`` + one scale per (layer, K/V);
+* fp8 e4m3: codes ``[N, L, 2, H, T, D]`` (stored as bytes) + fp32 scales per block and head ``[N, L, 2, H]``;
+* KIVI: packed key codes ``[N, L, H, T, D·b/8]`` with fp16 scale/zero per channel per group ``[N, L, H, T/G, D]``,
+  packed value codes ``[N, L, H, T, D·b/8]`` with fp16 scale/zero per token per channel group.
+
+Two ways in:
+
+* **Streaming** (int8, fp8 with no residual window): each write quantizes its tokens straight into the codes.
+  fp8's per-head scale belongs to the block; a token that needs more range *raises the block's scale and
+  re-encodes what the block holds* (counted in ``rescales``) — never a silent clip at ±448.
+* **Sealed** (KIVI, or any scheme with ``residual_tokens > 0`` — mixed-precision aging): tokens are written at
+  full precision into a small *staging* slab of ``staging_blocks`` blocks; once a block is full and lies at
+  least ``residual_tokens`` behind its sequence's end, it is encoded into the codes and its staging slot is
+  released. KIVI's full-precision residual window and seed 001 §4.1's "recent blocks at full precision, old
+  ones in int8" are the same mechanism.
+
+Reads (:meth:`gather`) dequantize on the fly: staged blocks come from the slab, sealed ones are decoded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memos_ref.errors import (
+    ConfigError,
+    DeviceError,
+    DTypeError,
+    InvalidBlockError,
+    ShapeError,
+    StagingFullError,
+)
+from memos_ref.quant.schemes import FP8_MAX, FP8E4M3, KIVI, PerTensorInt8, PerTokenInt8, Quantizer
+from memos_ref.spec import KVSpec
+
+__all__ = ["QuantizedBlockPool"]
+
+
+class QuantizedBlockPool:
+    """Quantized KV blocks for one model (see the module docstring).
+
+    Args:
+        spec: the model's KV geometry; K/V arrive and are returned in ``spec.dtype``.
+        num_blocks: blocks (ids ``0..num_blocks-1``).
+        scheme: a :class:`Quantizer` (``PerTokenInt8``, ``PerTensorInt8`` with a fixed scale or
+            ``layer_scales``, ``FP8E4M3``, ``KIVI``).
+        residual_tokens: the most recent tokens of each sequence kept at full precision (KIVI default 128).
+        staging_blocks: full-precision blocks available for them (default: a quarter of the pool, at least 8).
+        layer_scales: ``[L, 2]`` calibrated per-tensor int8 scales (per layer, K and V).
+    """
+
+    quantized = True
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_blocks: int,
+        scheme: Quantizer,
+        *,
+        residual_tokens: int | None = None,
+        staging_blocks: int | None = None,
+        layer_scales: torch.Tensor | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if not isinstance(scheme, (PerTokenInt8, PerTensorInt8, FP8E4M3, KIVI)):
+            raise ConfigError(f"unsupported scheme {scheme!r}: expected PerTokenInt8, PerTensorInt8, FP8E4M3 or KIVI")
+        if residual_tokens is None:
+            residual_tokens = 128 if isinstance(scheme, KIVI) else 0
+        if residual_tokens < 0:
+            raise ConfigError(f"residual_tokens must be >= 0, got {residual_tokens}")
+        nl, t, d = spec.num_layers, spec.block_size, spec.head_dim
+        if isinstance(scheme, KIVI):
+            if t % scheme.group_size:
+                raise ConfigError(
+                    f"KIVI groups of {scheme.group_size} tokens must fit whole blocks: block_size {t} is not a "
+                    f"multiple; use block_size={scheme.group_size} (or a multiple)"
+                )
+            if d % min(scheme.group_size, d) or (d * scheme.bits) % 8:
+                raise ConfigError(f"head_dim {d} does not split into KIVI value groups / packed bytes")
+        if isinstance(scheme, PerTensorInt8) and scheme.fixed is None:
+            if layer_scales is None:
+                raise ConfigError("a calibrated PerTensorInt8 needs layer_scales [L, 2] (see quant.calibrate)")
+            if tuple(layer_scales.shape) != (nl, 2):
+                raise ShapeError(f"layer_scales must be [{nl}, 2], got {tuple(layer_scales.shape)}")
+        self.spec, self.scheme, self.device = spec, scheme, torch.device(device)
+        self.num_blocks = num_blocks
+        self.residual_tokens = residual_tokens
+        self.streaming = not isinstance(scheme, KIVI) and residual_tokens == 0
+        if staging_blocks is None:
+            staging_blocks = 0 if self.streaming else max(8, num_blocks // 4)
+        self.staging = torch.zeros((staging_blocks, *spec.block_shape), dtype=spec.dtype, device=self.device)
+        self._staging_free = list(range(staging_blocks - 1, -1, -1))
+        self.staging_slot = torch.full((num_blocks,), -1, dtype=torch.long)  # block -> slab row, -1 = sealed
+        self.layer_scales = None
+        if isinstance(scheme, PerTensorInt8):
+            fixed = torch.full((nl, 2), float(scheme.fixed)) if scheme.fixed is not None else layer_scales.float()
+            self.layer_scales = fixed.to(self.device)
+        self.payload = self._allocate(num_blocks)
+        self.rescales = 0  # fp8 blocks whose scale had to grow
+        self.seals = 0
+        self.clipped = 0  # per-tensor int8 values beyond ±127·scale (fixed scales clip)
+
+    # ------------------------------------------------------------------ structure
+    def _allocate(self, n: int) -> dict[str, torch.Tensor]:
+        nl, h, t, d = self.spec.num_layers, self.spec.num_kv_heads, self.spec.block_size, self.spec.head_dim
+        dev, s = self.device, self.scheme
+        if isinstance(s, PerTokenInt8):
+            return {
+                "codes": torch.zeros((n, nl, 2, h, t, d), dtype=torch.int8, device=dev),
+                "scale": torch.zeros((n, nl, 2, h, t), dtype=torch.float16, device=dev),
+            }
+        if isinstance(s, PerTensorInt8):
+            return {"codes": torch.zeros((n, nl, 2, h, t, d), dtype=torch.int8, device=dev)}
+        if isinstance(s, FP8E4M3):
+            return {
+                "codes": torch.zeros((n, nl, 2, h, t, d), dtype=torch.uint8, device=dev),  # float8 bits
+                "scale": torch.zeros((n, nl, 2, h), dtype=torch.float32, device=dev),
+            }
+        packed, gk, gv = d * s.bits // 8, s.group_size, min(s.group_size, d)
+        return {
+            "k_codes": torch.zeros((n, nl, h, t, packed), dtype=torch.uint8, device=dev),
+            "k_scale": torch.zeros((n, nl, h, t // gk, d), dtype=torch.float16, device=dev),
+            "k_zero": torch.zeros((n, nl, h, t // gk, d), dtype=torch.float16, device=dev),
+            "v_codes": torch.zeros((n, nl, h, t, packed), dtype=torch.uint8, device=dev),
+            "v_scale": torch.zeros((n, nl, h, t, d // gv), dtype=torch.float16, device=dev),
+            "v_zero": torch.zeros((n, nl, h, t, d // gv), dtype=torch.float16, device=dev),
+        }
+
+    @property
+    def segments(self) -> list[torch.Tensor]:
+        return [self.staging]  # for code that counts segments; quantized pools are never segmented
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.layer_scales.nbytes if self.layer_scales is not None else 0
+        return self.staging.nbytes + sum(p.nbytes for p in self.payload.values()) + extra
+
+    @property
+    def block_payload_bytes(self) -> int:
+        """Bytes of one sealed block's codes and scales."""
+        return sum(p[0].nbytes for p in self.payload.values())
+
+    @property
+    def staged_blocks(self) -> int:
+        return int((self.staging_slot >= 0).sum())
+
+    def grow(self, n: int) -> range:
+        raise ConfigError("a quantized pool cannot grow; size it for the workload")
+
+    def _check_block(self, block: int) -> None:
+        if not isinstance(block, int) or not 0 <= block < self.num_blocks:
+            raise InvalidBlockError(f"block id {block!r} is not in [0, {self.num_blocks})")
+
+    # ------------------------------------------------------------------ staging
+    def _stage(self, block: int, keep_contents: bool) -> int:
+        """Give ``block`` a full-precision slab row; ``keep_contents`` decodes a sealed block into it first (a
+        write into the middle of a sealed block, after a truncate)."""
+        slot = int(self.staging_slot[block])
+        if slot < 0:
+            slot = self._staging_free.pop()
+            if keep_contents:
+                idx = torch.tensor([block])
+                for layer in range(self.spec.num_layers):
+                    self.staging[slot, layer] = self._decode(idx, layer)[0].to(self.spec.dtype)
+            self.staging_slot[block] = slot
+        return slot
+
+    def release(self, block: int) -> None:
+        """Forget a freed or evicted block's staging slot (allocator hook)."""
+        slot = int(self.staging_slot[block])
+        if slot >= 0:
+            self.staging_slot[block] = -1
+            self._staging_free.append(slot)
+
+    # ------------------------------------------------------------------ writes
+    def check_kv(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        h, d = self.spec.num_kv_heads, self.spec.head_dim
+        if key.shape != value.shape or key.ndim != 3 or key.shape[1:] != (h, d):
+            raise ShapeError(
+                f"key/value must both be [tokens, kv_heads={h}, head_dim={d}], got {tuple(key.shape)} and "
+                f"{tuple(value.shape)}"
+            )
+        if key.dtype != self.spec.dtype or value.dtype != self.spec.dtype:
+            raise DTypeError(f"key/value dtype {key.dtype}/{value.dtype} does not match the pool's {self.spec.dtype}")
+        if key.device != self.device:
+            raise DeviceError(f"key device {key.device} does not match the pool's {self.device}")
+
+    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store one layer's K/V ``[n, H, D]`` at ``slots [n]`` (slot = block · T + offset; -1 skips)."""
+        self.check_kv(key, value)
+        if slots.shape != (key.shape[0],):
+            raise ShapeError(f"slots must be [{key.shape[0]}], got {tuple(slots.shape)}")
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+        if slots.numel() == 0:
+            return
+        t = self.spec.block_size
+        blocks, offsets = slots // t, slots % t
+        if not self.streaming:
+            touched = blocks.unique().tolist()
+            unstaged = [b for b in touched if int(self.staging_slot[b]) < 0]
+            if len(unstaged) > len(self._staging_free):  # refuse before changing anything
+                raise StagingFullError(
+                    f"{len(unstaged)} blocks need full-precision staging but {len(self._staging_free)} of "
+                    f"{self.staging.shape[0]} staging blocks are free (they hold the residual windows of live "
+                    f"sequences): raise staging_blocks or lower residual_tokens",
+                    needed=len(unstaged),
+                    capacity=len(self._staging_free),
+                )
+            for b in unstaged:
+                self._stage(b, keep_contents=bool((offsets[blocks == b] > 0).all()))
+            where = self.staging_slot[blocks]
+            self.staging[where, layer, 0, :, offsets] = key
+            self.staging[where, layer, 1, :, offsets] = value
+            return
+        for kv, x in ((0, key), (1, value)):
+            if isinstance(self.scheme, PerTokenInt8):
+                scale = PerTokenInt8.scales(x)  # [n, H]
+                codes = (x.float() / scale.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
+                self.payload["codes"][blocks, layer, kv, :, offsets] = codes
+                self.payload["scale"][blocks, layer, kv, :, offsets] = scale
+            elif isinstance(self.scheme, PerTensorInt8):
+                scaled = x.float() / self.layer_scales[layer, kv]
+                self.clipped += int((scaled.abs() > 127.5).sum())
+                self.payload["codes"][blocks, layer, kv, :, offsets] = scaled.round().clamp(-127, 127).to(torch.int8)
+            else:
+                self._write_fp8(layer, kv, blocks, offsets, x)
+
+    def _write_fp8(self, layer: int, kv: int, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> None:
+        """fp8 with a per-(block, head) scale that grows when a new token needs more range."""
+        codes, scales = self.payload["codes"], self.payload["scale"]
+        need = (x.float().abs().amax(-1) / FP8_MAX).clamp(min=1e-8)  # [n, H]
+        for b in blocks.unique().tolist():
+            mine = blocks == b
+            need_b = need[mine].amax(0)  # [H]
+            if bool((offsets[mine] == 0).any()):  # the block starts here: whatever it held before is gone
+                scales[b, layer, kv] = 0.0
+            current = scales[b, layer, kv]
+            grow = need_b > current
+            if bool(grow.any()):
+                new = torch.maximum(current, need_b)
+                held = current > 0
+                if bool((grow & held).any()):  # re-encode what the block holds under the larger scale
+                    old = codes[b, layer, kv].view(torch.float8_e4m3fn).float() * current[:, None, None]
+                    codes[b, layer, kv] = (old / new[:, None, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+                    self.rescales += 1
+                scales[b, layer, kv] = new
+        s = scales[blocks, layer, kv]  # [n, H]
+        q = (x.float() / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        codes[blocks, layer, kv, :, offsets] = q
+
+    # ------------------------------------------------------------------ sealing (residual window / aging)
+    def after_append(self, block_table: list[int], num_tokens: int) -> int:
+        """Seal the blocks of a sequence that are full and at least ``residual_tokens`` behind its end; called by
+        the sequence once every layer holds ``num_tokens``. Returns how many blocks were sealed."""
+        if self.streaming:
+            return 0
+        sealable = max(0, num_tokens - self.residual_tokens) // self.spec.block_size
+        todo = [b for b in block_table[:sealable] if int(self.staging_slot[b]) >= 0]
+        if todo:
+            self.seal(todo)
+        return len(todo)
+
+    def seal(self, blocks: list[int]) -> None:
+        """Encode staged (full) blocks into the codes and release their staging slots."""
+        for b in blocks:
+            self._check_block(b)
+        blocks = [b for b in blocks if int(self.staging_slot[b]) >= 0]
+        if not blocks:
+            return
+        idx = torch.tensor(blocks, dtype=torch.long)
+        kv = self.staging[self.staging_slot[idx]]  # [m, L, 2, H, T, D]
+        m, nl, _, h, t, d = kv.shape
+        s = self.scheme
+        if isinstance(s, KIVI):
+            qk = s.quantize(kv[:, :, 0].reshape(m * nl * h, t, d), "key")
+            qv = s.quantize(kv[:, :, 1].reshape(m * nl * h, t, d), "value")
+            self.payload["k_codes"][idx] = qk.data.reshape(m, nl, h, t, -1)
+            self.payload["k_scale"][idx] = qk.scale.reshape(m, nl, h, -1, d)
+            self.payload["k_zero"][idx] = qk.zero.reshape(m, nl, h, -1, d)
+            self.payload["v_codes"][idx] = qv.data.reshape(m, nl, h, t, -1)
+            self.payload["v_scale"][idx] = qv.scale.reshape(m, nl, h, t, -1)
+            self.payload["v_zero"][idx] = qv.zero.reshape(m, nl, h, t, -1)
+        elif isinstance(s, PerTokenInt8):
+            q = s.quantize(kv.reshape(m * nl * 2 * h, t, d))
+            self.payload["codes"][idx] = q.data.reshape(m, nl, 2, h, t, d)
+            self.payload["scale"][idx] = q.scale.reshape(m, nl, 2, h, t)
+        elif isinstance(s, PerTensorInt8):
+            scaled = kv.float() / self.layer_scales[None, :, :, None, None, None]
+            self.clipped += int((scaled.abs() > 127.5).sum())
+            self.payload["codes"][idx] = scaled.round().clamp(-127, 127).to(torch.int8)
+        else:
+            q = FP8E4M3().quantize(kv.reshape(m * nl * 2 * h, t, d))
+            self.payload["codes"][idx] = q.data.view(torch.uint8).reshape(m, nl, 2, h, t, d)
+            self.payload["scale"][idx] = q.scale.reshape(m, nl, 2, h)
+        for b in blocks:
+            self.release(b)
+        self.seals += len(blocks)
+
+    # ------------------------------------------------------------------ reads
+    def _decode(self, idx: torch.Tensor, layer: int) -> torch.Tensor:
+        """Dequantized ``[m, 2, H, T, D]`` of sealed blocks ``idx`` in one layer (float32)."""
+        s, p = self.scheme, self.payload
+        if isinstance(s, PerTokenInt8):
+            return p["codes"][idx, layer].float() * p["scale"][idx, layer].float()[..., None]
+        if isinstance(s, PerTensorInt8):
+            return p["codes"][idx, layer].float() * self.layer_scales[layer][None, :, None, None, None]
+        if isinstance(s, FP8E4M3):
+            codes = p["codes"][idx, layer].view(torch.float8_e4m3fn).float()
+            return codes * p["scale"][idx, layer][..., None, None]
+        m, h, t, d = idx.numel(), self.spec.num_kv_heads, self.spec.block_size, self.spec.head_dim
+        from memos_ref.quant.schemes import QTensor
+
+        qk = QTensor(
+            p["k_codes"][idx, layer].reshape(m * h, t, -1),
+            p["k_scale"][idx, layer].reshape(m * h, -1, d),
+            p["k_zero"][idx, layer].reshape(m * h, -1, d),
+            shape=(m * h, t, d),
+            meta={"kind": "key"},
+        )
+        qv = QTensor(
+            p["v_codes"][idx, layer].reshape(m * h, t, -1),
+            p["v_scale"][idx, layer].reshape(m * h, t, -1),
+            p["v_zero"][idx, layer].reshape(m * h, t, -1),
+            shape=(m * h, t, d),
+            meta={"kind": "value"},
+        )
+        return torch.stack([s.dequantize(qk).reshape(m, h, t, d), s.dequantize(qv).reshape(m, h, t, d)], dim=1)
+
+    def read_blocks(self, blocks: torch.Tensor, layer: int) -> torch.Tensor:
+        """``[n, 2, H, T, D]`` of ``blocks`` in one layer, dequantized to the pool's dtype."""
+        n = blocks.numel()
+        out = torch.empty((n, 2, *self.spec.block_shape[2:]), dtype=self.spec.dtype, device=self.device)
+        slots = self.staging_slot[blocks]
+        staged = slots >= 0
+        if bool(staged.any()):
+            out[staged] = self.staging[slots[staged], layer]
+        if bool((~staged).any()):
+            out[~staged] = self._decode(blocks[~staged], layer).to(self.spec.dtype)
+        return out
+
+    def gather(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``num_tokens`` keys and values of a sequence, dequantized: ``[H, num_tokens, D]`` each."""
+        n_blocks = -(-num_tokens // self.spec.block_size)
+        blocks = block_table[:n_blocks].to(torch.long)
+        h, t, d = self.spec.num_kv_heads, self.spec.block_size, self.spec.head_dim
+        kv = self.read_blocks(blocks, layer).permute(1, 2, 0, 3, 4)  # [2, H, n, T, D]
+        kv = kv.reshape(2, h, n_blocks * t, d)[:, :, :num_tokens]
+        return kv[0], kv[1]
+
+    def block(self, block: int) -> torch.Tensor:
+        """A dequantized *copy* of one block ``[L, 2, H, T, D]`` (quantized blocks have no float view)."""
+        self._check_block(block)
+        idx = torch.tensor([block])
+        return torch.stack([self.read_blocks(idx, layer)[0] for layer in range(self.spec.num_layers)])
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write: the codes, scales and (if staged) the full-precision slab row."""
+        self._check_block(src)
+        self._check_block(dst)
+        for tensor in self.payload.values():
+            tensor[dst] = tensor[src]
+        src_slot = int(self.staging_slot[src])
+        if src_slot >= 0:
+            if int(self.staging_slot[dst]) < 0 and not self._staging_free:
+                raise StagingFullError(
+                    "no free staging block for a copy-on-write of a staged block", needed=1, capacity=0
+                )
+            self.staging[self._stage(dst, keep_contents=False)] = self.staging[src_slot]
+        else:
+            self.release(dst)
+
+    def poison(self, block: int) -> None:
+        """Debug mode: make a freed block decode to NaN (per-tensor int8 has no per-block scale to poison)."""
+        self._check_block(block)
+        for name, tensor in self.payload.items():
+            if "scale" in name:
+                tensor[block] = float("nan")
+        self.release(block)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "staged_blocks": self.staged_blocks,
+            "staging_capacity": self.staging.shape[0],
+            "seals": self.seals,
+            "rescales": self.rescales,
+            "clipped": self.clipped,
+        }
