@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from memos_ref.attention import attend_sequences, paged_attention
 from memos_ref.errors import ConfigError, ShapeError, StagingFullError
 from memos_ref.paged import PagedKV
-from memos_ref.quant import FP8E4M3, KIVI, PerTensorInt8, PerTokenInt8, pack, unpack
+from memos_ref.quant import FP8E4M3, KIVI, Float16, PerTensorInt8, PerTokenInt8, pack, unpack
 from memos_ref.spec import KVSpec
 
 
@@ -127,6 +127,7 @@ def test_bad_input_errors():
 # ---------------------------------------------------------------------- the quantized pool
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=32, dtype=torch.float32)
 SCHEMES = {
+    "fp16": (Float16(), {}),
     "int8_token": (PerTokenInt8(), {}),
     "int8_tensor": (PerTensorInt8(), {"layer_scales": torch.full((2, 2), 0.05)}),
     "fp8": (FP8E4M3(), {}),
@@ -154,7 +155,7 @@ def fill(kv: PagedKV, n: int, seed: int = 0, chunks=(40, 1, 1, 23, 1)):
 def expected(name: str, x: torch.Tensor, kind: str, n: int) -> torch.Tensor:
     """What the pool should hold for one layer's K or V, from the standalone quantizers."""
     scheme, kw = SCHEMES[name]
-    if name == "int8_token":
+    if name in ("int8_token", "fp16"):
         return scheme.round_trip(x, kind)
     if name == "int8_tensor":
         return (x / 0.05).round().clamp(-127, 127) * 0.05

@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "decode": "memos_ref.bench.decode",
     "growth": "memos_ref.bench.growth",
     "memory": "memos_ref.bench.memory",
+    "quant": "memos_ref.bench.quant",
     "sharing": "memos_ref.bench.sharing",
     "waste": "memos_ref.bench.waste",
 }

@@ -3,11 +3,22 @@ paged pool (streaming writes, or a full-precision residual window sealed into co
 and calibration of static per-tensor scales. Accuracy: ``python -m memos_ref.bench quant``; notebook 07."""
 
 from memos_ref.quant.pool import QuantizedBlockPool
-from memos_ref.quant.schemes import FP8E4M3, KIVI, PerTensorInt8, PerTokenInt8, QTensor, Quantizer, pack, unpack
+from memos_ref.quant.schemes import (
+    FP8E4M3,
+    KIVI,
+    Float16,
+    PerTensorInt8,
+    PerTokenInt8,
+    QTensor,
+    Quantizer,
+    pack,
+    unpack,
+)
 
 __all__ = [
     "FP8E4M3",
     "KIVI",
+    "Float16",
     "PerTensorInt8",
     "PerTokenInt8",
     "QTensor",

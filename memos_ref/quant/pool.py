@@ -3,6 +3,7 @@ and copy-on-write as :class:`~memos_ref.paged.pool.BlockPool`; only what a block
 
 Storage, preallocated per scheme (``N`` blocks, ``L`` layers, ``H`` KV heads, ``T`` tokens, ``D`` dims):
 
+* fp16: ``[N, L, 2, H, T, D]`` float16 (for an fp32 model);
 * int8 per token: codes int8 ``[N, L, 2, H, T, D]`` + fp16 scales ``[N, L, 2, H, T]``;
 * int8 per tensor: codes int8 ``[N, L, 2, H, T, D]`` + one scale per (layer, K/V);
 * fp8 e4m3: codes ``[N, L, 2, H, T, D]`` (stored as bytes) + fp32 scales per block and head ``[N, L, 2, H]``;
@@ -35,7 +36,7 @@ from memos_ref.errors import (
     ShapeError,
     StagingFullError,
 )
-from memos_ref.quant.schemes import FP8_MAX, FP8E4M3, KIVI, PerTensorInt8, PerTokenInt8, Quantizer
+from memos_ref.quant.schemes import FP8_MAX, FP8E4M3, KIVI, Float16, PerTensorInt8, PerTokenInt8, Quantizer
 from memos_ref.spec import KVSpec
 
 __all__ = ["QuantizedBlockPool"]
@@ -69,8 +70,10 @@ class QuantizedBlockPool:
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if not isinstance(scheme, (PerTokenInt8, PerTensorInt8, FP8E4M3, KIVI)):
-            raise ConfigError(f"unsupported scheme {scheme!r}: expected PerTokenInt8, PerTensorInt8, FP8E4M3 or KIVI")
+        if not isinstance(scheme, (Float16, PerTokenInt8, PerTensorInt8, FP8E4M3, KIVI)):
+            raise ConfigError(
+                f"unsupported scheme {scheme!r}: expected Float16, PerTokenInt8, PerTensorInt8, FP8E4M3 or KIVI"
+            )
         if residual_tokens is None:
             residual_tokens = 128 if isinstance(scheme, KIVI) else 0
         if residual_tokens < 0:
@@ -111,6 +114,8 @@ class QuantizedBlockPool:
     def _allocate(self, n: int) -> dict[str, torch.Tensor]:
         nl, h, t, d = self.spec.num_layers, self.spec.num_kv_heads, self.spec.block_size, self.spec.head_dim
         dev, s = self.device, self.scheme
+        if isinstance(s, Float16):
+            return {"codes": torch.zeros((n, nl, 2, h, t, d), dtype=torch.float16, device=dev)}
         if isinstance(s, PerTokenInt8):
             return {
                 "codes": torch.zeros((n, nl, 2, h, t, d), dtype=torch.int8, device=dev),
@@ -221,7 +226,9 @@ class QuantizedBlockPool:
             self.staging[where, layer, 1, :, offsets] = value
             return
         for kv, x in ((0, key), (1, value)):
-            if isinstance(self.scheme, PerTokenInt8):
+            if isinstance(self.scheme, Float16):
+                self.payload["codes"][blocks, layer, kv, :, offsets] = x.to(torch.float16)
+            elif isinstance(self.scheme, PerTokenInt8):
                 scale = PerTokenInt8.scales(x)  # [n, H]
                 codes = (x.float() / scale.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
                 self.payload["codes"][blocks, layer, kv, :, offsets] = codes
@@ -288,6 +295,8 @@ class QuantizedBlockPool:
             self.payload["v_codes"][idx] = qv.data.reshape(m, nl, h, t, -1)
             self.payload["v_scale"][idx] = qv.scale.reshape(m, nl, h, t, -1)
             self.payload["v_zero"][idx] = qv.zero.reshape(m, nl, h, t, -1)
+        elif isinstance(s, Float16):
+            self.payload["codes"][idx] = kv.to(torch.float16)
         elif isinstance(s, PerTokenInt8):
             q = s.quantize(kv.reshape(m * nl * 2 * h, t, d))
             self.payload["codes"][idx] = q.data.reshape(m, nl, 2, h, t, d)
@@ -308,6 +317,8 @@ class QuantizedBlockPool:
     def _decode(self, idx: torch.Tensor, layer: int) -> torch.Tensor:
         """Dequantized ``[m, 2, H, T, D]`` of sealed blocks ``idx`` in one layer (float32)."""
         s, p = self.scheme, self.payload
+        if isinstance(s, Float16):
+            return p["codes"][idx, layer].float()
         if isinstance(s, PerTokenInt8):
             return p["codes"][idx, layer].float() * p["scale"][idx, layer].float()[..., None]
         if isinstance(s, PerTensorInt8):

@@ -4,6 +4,7 @@ Every scheme works on one layer's keys or values in the pool's head-major order,
 tokens, channels), and returns a :class:`QTensor` — the stored integer or fp8 codes plus their scales — whose
 ``nbytes`` is exactly what the cache holds. ``dequantize`` returns float32.
 
+* :class:`Float16` — a plain cast, the "FP16 cache" of seed 001 §4.1 for an fp32 model.
 * :class:`PerTensorInt8` — one symmetric scale for the whole tensor: fixed (seed 003 §6.1's ``scale=0.1``,
   which clips everything beyond ±12.7) or calibrated from data (absmax / 127).
 * :class:`PerTokenInt8` — a symmetric scale per (head, token): one outlier spoils only its own token.
@@ -23,7 +24,7 @@ import torch
 
 from memos_ref.errors import ConfigError, ShapeError
 
-__all__ = ["FP8E4M3", "KIVI", "PerTensorInt8", "PerTokenInt8", "QTensor", "Quantizer", "pack", "unpack"]
+__all__ = ["FP8E4M3", "KIVI", "Float16", "PerTensorInt8", "PerTokenInt8", "QTensor", "Quantizer", "pack", "unpack"]
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _TINY = 1e-8  # floor for scales, so an all-zero group does not divide by zero
@@ -92,6 +93,23 @@ class Quantizer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
+
+
+class Float16(Quantizer):
+    """A plain fp16 cast (seed 001 §4.1's "FP16 cache" for an fp32 model): half the bytes, no scales."""
+
+    name = "fp16"
+    bits = 16
+
+    def quantize(self, x: torch.Tensor, kind: str = "key") -> QTensor:
+        _check(x)
+        return QTensor(x.to(torch.float16), torch.tensor(1.0), shape=tuple(x.shape))
+
+    def dequantize(self, q: QTensor) -> torch.Tensor:
+        return q.data.float()
+
+    def bytes_per_token(self, num_heads: int, head_dim: int) -> float:
+        return 4.0 * num_heads * head_dim
 
 
 class PerTensorInt8(Quantizer):
