@@ -141,7 +141,7 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
     summary: dict[str, Any] = {"ppl_fp32": round(reference["ppl"], 4), "fp16_bytes_per_token": fp16_bytes}
     for row in rows:
         summary[row["scheme"]] = {
-            k: round(row[k], 5) for k in ("ppl_delta_pct", "kl_mean", "greedy_agreement", "bytes_per_token_ratio")
+            k: float(f"{row[k]:.4g}") for k in ("ppl_delta_pct", "kl_mean", "greedy_agreement", "bytes_per_token_ratio")
         }
     for t in throughput:
         summary.setdefault("throughput_gb_s", {})[t["scheme"]] = {
