@@ -275,6 +275,16 @@ class QuantizedBlockPool:
             self.seal(todo)
         return len(todo)
 
+    def seal_idle(self, block_table: list[int], num_tokens: int) -> int:
+        """Age a sequence that has gone quiet (seed 001's "untouched for a while"): seal every *full* block,
+        residual window included; the partial last block stays staged. Returns how many were sealed."""
+        if self.streaming:
+            return 0
+        full = num_tokens // self.spec.block_size
+        todo = [b for b in block_table[:full] if int(self.staging_slot[b]) >= 0]
+        self.seal(todo)
+        return len(todo)
+
     def seal(self, blocks: list[int]) -> None:
         """Encode staged (full) blocks into the codes and release their staging slots."""
         for b in blocks:
