@@ -7,10 +7,10 @@
 * **JSON values**, never pickle: a value read back from a shared server cannot run code.
 * **Eviction** is the server's: set ``maxmemory`` and ``maxmemory-policy allkeys-lfu`` (Redis's approximated
   LFU, the nearest to the hybrid score) on the server; this class does not reconfigure a shared server.
-* **Degraded mode**: every call has a socket timeout (default 50 ms) and no retries. A lost connection warns
-  once (:class:`~memos_ref.errors.BackendDegradedWarning`), counts an error, and for ``retry_after`` seconds
-  every read answers "miss" and every write is dropped without touching the network — so an agent keeps
-  working, only slower, and never blocks on a dead server. After ``retry_after`` the next call tries again.
+* **Degraded mode** (:class:`~memos_ref.resilient.ResilientRedis`): every call has a socket timeout (default
+  50 ms) and no retries. A lost connection warns once (:class:`~memos_ref.errors.BackendDegradedWarning`),
+  counts an error, and for ``retry_after`` seconds every read answers "miss" and every write is dropped
+  without touching the network — so an agent keeps working, only slower, and never blocks on a dead server.
 
 Point it at an existing Redis with ``RedisBackend("redis://host:6379/0", namespace="myapp")``.
 """
@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
-import warnings
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from memos_ref.errors import BackendDegradedWarning, BackendUnavailableError, CapacityExceededError, ConfigError
+from memos_ref.errors import CapacityExceededError, ConfigError
 from memos_ref.memory.backend import DEFAULT, CacheBackend
 from memos_ref.memory.store import validate_key
+from memos_ref.resilient import ResilientRedis
 
 __all__ = ["RedisBackend"]
 
@@ -78,62 +76,29 @@ class RedisBackend(CacheBackend):
         for label, value in (("namespace", namespace), ("tenant", tenant)):
             if not isinstance(value, str) or not _NAME.fullmatch(value):
                 raise ConfigError(f"{label} must be 1-64 of [A-Za-z0-9_.-], got {value!r}")
-        if max_value_bytes <= 0 or timeout <= 0 or retry_after < 0:
-            raise ConfigError("max_value_bytes and timeout must be positive, retry_after non-negative")
-        try:
-            import redis
-            from redis.backoff import NoBackoff
-            from redis.retry import Retry
-        except ImportError as exc:  # pragma: no cover - redis is a dependency
-            raise BackendUnavailableError("redis-py is not installed: pip install redis") from exc
-        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
-        self.url = url
-        self.client = client or redis.Redis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
-        )
+        if max_value_bytes <= 0:
+            raise ConfigError(f"max_value_bytes must be positive, got {max_value_bytes}")
+        self.redis = ResilientRedis(url, client=client, timeout=timeout, retry_after=retry_after, clock=clock)
+        self.url, self.client = url, self.redis.client
         self.prefix = f"{namespace}:{tenant}:"
-        self.max_value_bytes, self.retry_after, self.clock = max_value_bytes, retry_after, clock
-        self._down_until: float | None = None
-        self.degraded = False
-        self._counts: Counter[str] = Counter()
-        self._lock = threading.Lock()
+        self.max_value_bytes = max_value_bytes
 
     # ------------------------------------------------------------------ plumbing
     def _key(self, key: str) -> str:
         return self.prefix + validate_key(key)
 
     def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += n
+        self.redis.count(name, n)
 
     def _degraded(self) -> bool:
-        return self._down_until is not None and self.clock() < self._down_until
+        return self.redis.is_down()
+
+    @property
+    def degraded(self) -> bool:
+        return self.redis.degraded
 
     def _call(self, fn: Callable[[], Any], fallback: Any) -> Any:
-        """Run one Redis call; on a lost connection enter degraded mode and return ``fallback``."""
-        if self._degraded():
-            self._count("degraded_ops")
-            return fallback
-        try:
-            result = fn()
-        except self._errors as exc:
-            self._down_until = self.clock() + self.retry_after
-            self._count("errors")
-            self._count("degraded_ops")
-            if not self.degraded:
-                self.degraded = True
-                warnings.warn(
-                    f"Redis at {self.url} is unreachable ({type(exc).__name__}: {exc}); answering reads as misses "
-                    f"and dropping writes, retrying in {self.retry_after} s",
-                    BackendDegradedWarning,
-                    stacklevel=3,
-                )
-            return fallback
-        if self.degraded:
-            self.degraded = False
-            self._down_until = None
-            self._count("reconnects")
-        return result
+        return self.redis.call(fn, fallback)
 
     # ------------------------------------------------------------------ the primitives
     def set(self, key: str, value: Any, ttl: float | None = DEFAULT) -> None:  # type: ignore[assignment]
@@ -232,8 +197,7 @@ class RedisBackend(CacheBackend):
         return self._call(lambda: sum(1 for _ in self.client.scan_iter(match=self.prefix + "*", count=1000)), 0)
 
     def _counters(self) -> dict[str, int]:
-        with self._lock:
-            counts = dict(self._counts)
+        counts = dict(self.redis.counts)
         counts.setdefault("hits", 0)
         counts.setdefault("misses", 0)
         counts["degraded"] = int(self._degraded())
