@@ -22,6 +22,8 @@ import hashlib
 import json
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from memos_ref.errors import ConfigError, CorruptCacheError, ModelMismatchError
+from memos_ref.errors import ConfigError, CorruptCacheError, ModelMismatchError, OutOfBlocksError
 from memos_ref.hf import PagedCache
 from memos_ref.model.tokenizer import ByteTokenizer
 from memos_ref.paged.store import PagedKV
@@ -112,6 +114,47 @@ class SessionManager:
         self.system_prompts: dict[tuple[str, str], str] = {}
         self.memories: dict[str, Memory] = {}
         self._lock = threading.RLock()
+        self.sessions: weakref.WeakSet[CacheSession] = weakref.WeakSet()
+        self.tiering: Any = None  # a TierManager, after enable_tiering()
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.tiering.clock if self.tiering is not None else time.monotonic
+
+    def enable_tiering(self, store: Any, **options: Any) -> Any:
+        """Attach a :class:`~memos_ref.tiering.manager.TierManager` over ``store`` (``options`` go to it):
+        system prompts are pinned, blocks are labelled by segment kind for the ``priority`` policy, and under
+        pressure idle sessions are suspended (their blocks become cached, then move to the tiers); a suspended
+        session resumes by itself on its next call, reloading its blocks or recomputing them."""
+        from memos_ref.tiering.manager import TierManager
+
+        self.tiering = TierManager(self.kv, store, **options)
+        self.tiering.on_pressure = self._suspend_idle
+        for key in self.system_prompts:
+            self._pin_system_prompt(key)
+        return self.tiering
+
+    def _pin_system_prompt(self, key: tuple[str, str]) -> None:
+        ids = [self.tok.bos_id, *self._encode(SegmentKind.SYSTEM, self.system_prompts[key])]
+        hashes = self.kv.prefix_cache.hashes(ids)
+        self.tiering.pin(hashes)
+        self.tiering.label(hashes, "system")
+
+    def _suspend_idle(self, blocks_wanted: int) -> int:
+        """Suspend the least recently active sessions idle for at least the minimum residency until about
+        ``blocks_wanted`` blocks were released; returns how many were."""
+        now = self.clock()
+        idle = [
+            s
+            for s in list(self.sessions)
+            if not s.closed and not s.suspended and now - s.last_active >= self.tiering.min_residency
+        ]
+        released = 0
+        for session in sorted(idle, key=lambda s: s.last_active):
+            if released >= blocks_wanted:
+                break
+            released += session.suspend(blocking=False)
+        return released
 
     @staticmethod
     def fingerprint_of(model: Any) -> str:
@@ -130,6 +173,8 @@ class SessionManager:
             if key in self.system_prompts and self.system_prompts[key] != text:
                 raise ConfigError(f"system prompt {name!r} version {version!r} is already registered with other text")
             self.system_prompts[key] = text
+            if self.tiering is not None:
+                self._pin_system_prompt(key)
 
     def _encode(self, kind: SegmentKind, text: str) -> list[int]:
         return [self.tok.special_to_id[_MARKER[kind]], *self.tok.encode(text)]
@@ -274,11 +319,60 @@ class CacheSession:
         self.prefill_computed = 0  # tokens actually run through the model
         self.prefill_reused = 0  # tokens taken from the prefix cache or a memory
         self.closed = False
+        self.suspended = False
+        self.last_active = manager.clock()
+        self.resumed_reused = 0  # tokens restored from the device cache or a tier on resume
+        self.resumed_computed = 0  # tokens recomputed on resume
         self._lock = threading.RLock()
+        manager.sessions.add(self)
 
     def _check_open(self) -> None:
         if self.closed:
             raise ConfigError("this session was closed; start a new one")
+        with self._lock:
+            self.last_active = self.manager.clock()
+            if self.suspended:
+                self._resume()
+            tiering = self.manager.tiering
+            if tiering is not None and self.cache.sequences:
+                tiering.touch(self.cache.sequences[0].block_table, self.last_active)
+
+    # ------------------------------------------------------------------ suspend and resume (tiering)
+    def suspend(self, blocking: bool = True) -> int:
+        """Release this session's device blocks; its full blocks stay cached (and may move to a tier). The
+        next call resumes it. Returns how many blocks were released (0 when ``blocking`` is False and the
+        session is busy in another thread: a busy session is not idle)."""
+        if not self._lock.acquire(blocking=blocking):
+            return 0
+        try:
+            if self.closed or self.suspended or not self.cache.sequences:
+                return 0
+            released = sum(seq.num_blocks for seq in self.cache.sequences)
+            self.cache.set_token_ids(torch.tensor([self.token_ids]))
+            self.cache.free()
+            self.suspended = True
+            self.events.append(("suspended", {"blocks": released, "tokens": len(self.token_ids)}))
+            return released
+        finally:
+            self._lock.release()
+
+    def _resume(self) -> None:
+        """Rebuild the cache from the device prefix cache, the tiers, and recomputation, in that order."""
+        ids = self.token_ids
+        hit = PagedCache.from_prefix(self.manager.kv, torch.tensor([ids]), cache_salt=self.cache.cache_salt)
+        reused = hit.get_seq_length()
+        try:
+            with torch.no_grad():
+                self.manager.model(torch.tensor([ids[reused:]]), hit)
+            hit.set_token_ids(torch.tensor([ids]))
+        except Exception:
+            hit.free()
+            raise
+        self.cache = hit
+        self.suspended = False
+        self.resumed_reused += reused
+        self.resumed_computed += len(ids) - reused
+        self.events.append(("resumed", {"reused": reused, "recomputed": len(ids) - reused}))
 
     def _rollback(self) -> None:
         """After a failed step, cut the cache back to the tokens the session records (all layers agree)."""
@@ -310,12 +404,37 @@ class CacheSession:
             pos += len(seg_ids)
         self.prefill_reused += reused
         self.prefill_computed += len(ids) - reused
+        tiering = self.manager.tiering
+        if tiering is not None:
+            t = self.manager.spec.block_size
+            kinds = {"system": "system", "tools": "tools", "memory": "memory"}
+            for i, h in enumerate(self.manager.kv.prefix_cache.hashes(ids, self.cache.cache_salt)):
+                end = (i + 1) * t - 1  # a block belongs to the segment of its last token
+                seg = next((x for x in self.segment_list if x.start <= end < x.stop), None)
+                tiering.label([h], kinds.get(str(seg.kind) if seg else "", "turn"))
+
+    def _with_room(self, op: Callable[[], Any]) -> Any:
+        """Run ``op``; if the pool ran out of blocks and tiering is on, make room (suspending idle sessions,
+        moving cached blocks down) and try once more."""
+        tiering = self.manager.tiering
+        if tiering is not None and tiering.utilization() > tiering.high:
+            tiering.step()  # make room before this call allocates (outside this session's lock: may suspend it)
+        try:
+            return op()
+        except OutOfBlocksError:
+            if tiering is None:
+                raise
+            tiering.step()
+            return op()
 
     def append(self, kind: SegmentKind, seg_id: str, text: str) -> Segment:
         """Add a segment (a user turn, a tool result, …): its tokens are prefilled into the cache."""
+        return self._with_room(lambda: self._append(kind, seg_id, text))
+
+    def _append(self, kind: SegmentKind, seg_id: str, text: str) -> Segment:
         ids = self.manager._encode(SegmentKind(kind), text)
-        self._check_open()
-        with self._lock, torch.no_grad():
+        with self._lock, torch.no_grad():  # held from the resume check to the end: nobody suspends us midway
+            self._check_open()
             start = len(self.token_ids)
             try:
                 self.manager.model(torch.tensor([ids]), self.cache)
@@ -331,8 +450,11 @@ class CacheSession:
 
     def generate(self, max_new_tokens: int, seg_id: str = "reply") -> str:
         """Greedy continuation as an assistant turn; returns its text."""
-        self._check_open()
+        return self._with_room(lambda: self._generate(max_new_tokens, seg_id))
+
+    def _generate(self, max_new_tokens: int, seg_id: str) -> str:
         with self._lock, torch.no_grad():
+            self._check_open()
             marker = self.manager._encode(SegmentKind.ASSISTANT, "")
             start = len(self.token_ids)
             new: list[int] = []
@@ -356,8 +478,8 @@ class CacheSession:
     # ------------------------------------------------------------------ agent operations
     def fork(self, n: int = 1) -> list[CacheSession]:
         """n sub-agent sessions sharing everything so far (blocks are shared, not copied)."""
-        self._check_open()
         with self._lock:
+            self._check_open()
             return [
                 CacheSession(self.manager, self.cache.fork(), list(self.token_ids), list(self.segment_list))
                 for _ in range(n)
@@ -371,8 +493,8 @@ class CacheSession:
         for the build and the switch, and readers never see a half-built session. ``events`` records each
         step with block counts.
         """
-        self._check_open()
         with self._lock:
+            self._check_open()
             keep = []  # the leading system prompt, tools and memories stay; everything after is summarised
             for s in self.segment_list:
                 if s.kind not in (SegmentKind.SYSTEM, SegmentKind.TOOLS, SegmentKind.MEMORY):
@@ -422,6 +544,12 @@ class CacheSession:
     # ------------------------------------------------------------------ inspection and persistence
     def segments(self) -> list[dict[str, Any]]:
         """The segments — kind, id, token range — with their block ids and residency."""
+        with self._lock:
+            if self.suspended:
+                self._check_open()
+            return self._segments()
+
+    def _segments(self) -> list[dict[str, Any]]:
         seq = self.cache.sequences[0]
         t = self.manager.spec.block_size
         return [
@@ -436,7 +564,12 @@ class CacheSession:
 
     def save(self, path: str | Path) -> Path:
         """Write ``path.safetensors`` (K/V ``[L, 2, H, S, D]``) and ``path.json`` (manifest with checksum)."""
-        path = Path(path)
+        with self._lock:
+            if self.suspended:
+                self._check_open()
+            return self._save(Path(path))
+
+    def _save(self, path: Path) -> Path:
         seq = self.cache.sequences[0]
         kv = torch.stack([torch.stack(seq.to_dense(layer)) for layer in range(self.manager.spec.num_layers)])
         tensor_path = path.with_suffix(".safetensors")

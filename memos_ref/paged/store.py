@@ -78,6 +78,7 @@ class PagedKV:
             PrefixCache(self.allocator, spec.block_size, fingerprint=fingerprint) if prefix_caching else None
         )
         self.sequences: dict[int, SequenceCache] = {}
+        self.tier_manager: Any = None  # a memos_ref.tiering.TierManager attaches itself here
 
     def new_sequence(self, cache_salt: str | None = None) -> SequenceCache:
         """An empty sequence over this memory."""
@@ -86,11 +87,15 @@ class PagedKV:
         )
 
     def start_from_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> SequenceCache:
-        """A new sequence holding the longest cached prefix of ``token_ids`` (possibly none); its
-        ``num_tokens`` says how many tokens need no computing."""
+        """A new sequence holding the longest cached prefix of ``token_ids`` (possibly none) — on the device,
+        or reloaded from the tiers when a tier manager is attached; its ``num_tokens`` says how many tokens
+        need no computing."""
         seq = self.new_sequence(cache_salt)
         if self.prefix_cache is not None:
             blocks = self.prefix_cache.lookup(token_ids, cache_salt)
+            if self.tier_manager is not None:  # continue the prefix from the tiers below the device
+                self.tier_manager.touch(blocks)
+                blocks = blocks + self.tier_manager.extend_prefix(token_ids, cache_salt, blocks)
             seq.adopt_prefix(blocks, token_ids)
         return seq
 
