@@ -116,6 +116,7 @@ class SessionManager:
         self._lock = threading.RLock()
         self.sessions: weakref.WeakSet[CacheSession] = weakref.WeakSet()
         self.tiering: Any = None  # a TierManager, after enable_tiering()
+        self.prefetcher: Any = None  # a tiering.simulate.MarkovPredictor: enable_tiering(prefetch=...)
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -125,9 +126,14 @@ class SessionManager:
         """Attach a :class:`~memos_ref.tiering.manager.TierManager` over ``store`` (``options`` go to it):
         system prompts are pinned, blocks are labelled by segment kind for the ``priority`` policy, and under
         pressure idle sessions are suspended (their blocks become cached, then move to the tiers); a suspended
-        session resumes by itself on its next call, reloading its blocks or recomputing them."""
+        session resumes by itself on its next call, reloading its blocks or recomputing them.
+
+        ``prefetch=MarkovPredictor(window, threshold)`` (and ``prefetch_max_blocks``, default 8) brings the
+        likely next session's blocks up from the tiers after each call (seed 001 §3.1)."""
         from memos_ref.tiering.manager import TierManager
 
+        self.prefetcher = options.pop("prefetch", None)
+        self.prefetch_max_blocks = options.pop("prefetch_max_blocks", 8)
         self.tiering = TierManager(self.kv, store, **options)
         self.tiering.on_pressure = self._suspend_idle
         for key in self.system_prompts:
@@ -139,6 +145,17 @@ class SessionManager:
         hashes = self.kv.prefix_cache.hashes(ids)
         self.tiering.pin(hashes)
         self.tiering.label(hashes, "system")
+
+    def _after_call(self, session: CacheSession) -> None:
+        """Prefetch: learn which session follows which, and bring the predicted next one's blocks up."""
+        if self.prefetcher is None or self.tiering is None:
+            return
+        key = str(id(session))
+        self.prefetcher.observe(key)
+        predicted = self.prefetcher.predict(key)
+        nxt = next((s for s in list(self.sessions) if str(id(s)) == predicted), None)
+        if nxt is not None and nxt.suspended:
+            self.tiering.prefetch(nxt.token_ids, nxt.cache.cache_salt, self.prefetch_max_blocks)
 
     def _suspend_idle(self, blocks_wanted: int) -> int:
         """Suspend the least recently active sessions idle for at least the minimum residency until about
@@ -420,12 +437,14 @@ class CacheSession:
         if tiering is not None and tiering.utilization() > tiering.high:
             tiering.step()  # make room before this call allocates (outside this session's lock: may suspend it)
         try:
-            return op()
+            result = op()
         except OutOfBlocksError:
             if tiering is None:
                 raise
             tiering.step()
-            return op()
+            result = op()
+        self.manager._after_call(self)
+        return result
 
     def append(self, kind: SegmentKind, seg_id: str, text: str) -> Segment:
         """Add a segment (a user turn, a tool result, …): its tokens are prefilled into the cache."""

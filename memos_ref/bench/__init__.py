@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "memory": "memos_ref.bench.memory",
     "quant": "memos_ref.bench.quant",
     "sharing": "memos_ref.bench.sharing",
+    "tiering": "memos_ref.bench.tiering",
     "waste": "memos_ref.bench.waste",
 }
 

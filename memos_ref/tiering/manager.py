@@ -329,6 +329,23 @@ class TierManager:
             self._note_swap(reloaded, now)
         return loaded
 
+    def prefetch(self, token_ids: Sequence[int], cache_salt: str | None = None, max_blocks: int = 8) -> int:
+        """Bring up to ``max_blocks`` of a prompt's blocks from the tiers to the device ahead of its request
+        (seed 001 §3.1); they wait there as cached blocks. Returns how many were fetched."""
+        t, pc = self.kv.spec.block_size, self.kv.prefix_cache
+        token_ids = list(token_ids)
+        before = self.counts["swap_in_blocks"]
+        device = pc.lookup(token_ids, cache_salt)
+        with pc._lock:  # a prefetch is not a request: keep it out of the prefix hit statistics
+            pc.queries -= 1
+            pc.query_tokens -= len(token_ids)
+            pc.hit_tokens -= len(device) * t
+        more = self.extend_prefix(token_ids[: (len(device) + max_blocks) * t + 1], cache_salt, device)
+        self.kv.allocator.free_many(device + more)  # nobody holds them now: they wait as cached blocks
+        fetched = self.counts["swap_in_blocks"] - before
+        self.counts["prefetched_blocks"] += fetched
+        return fetched
+
     # ------------------------------------------------------------------ measured costs
     @torch.no_grad()
     def calibrate(self, model: Any, lengths: Sequence[int] = (32, 128, 512), repeats: int = 3) -> dict[str, Any]:
