@@ -8,8 +8,9 @@ prefetch on the agent traces, and the check that tiering never changes an output
   time to reload one block per tier; ``break_even_tokens_*`` is the shortest context from which reloading wins.
 * Codecs: compression ratio on the same KV (full blocks only: no padding) and encode/decode speed, for fp32
   (the shipped model's dtype) and the same values in fp16 and bf16, beside seed 001's LZ4 2.1× / Zstd 3.3×.
-* Policies: :mod:`memos_ref.tiering.simulate` on the ``chat``, ``multi_agent`` and ``tool_heavy`` traces (scale
-  3) at device capacities of 1/8, 1/4 and 1/2 of each trace's distinct blocks; exact counts.
+* Policies: :mod:`memos_ref.tiering.simulate` on the ``chat``, ``multi_agent`` and ``tool_heavy`` traces, four
+  users of each active at once (:func:`interleaved_trace`), at device capacities of 1, 1.5, 2 and 3 times the
+  largest prompt; exact counts.
 * Prefetch: the Markov predictor (window 5, threshold 0.6, 8 blocks — seed 001's defaults — and window 3).
 * Outputs: four sessions taking turns on a pool too small for them, with host + disk tiers, against the same
   sessions on a large pool without tiering.
@@ -26,13 +27,11 @@ import torch
 from tqdm.auto import tqdm
 
 from memos_ref.bench.common import envelope, format_table
-from memos_ref.paged.prefix import block_hashes
 from memos_ref.tiering.backends import DiskBackend, HostMemoryBackend, RedisTierBackend
 from memos_ref.tiering.codecs import CODECS, get_codec
 from memos_ref.tiering.manager import TierManager
-from memos_ref.tiering.simulate import MarkovPredictor, requests_from_trace, simulate
+from memos_ref.tiering.simulate import MarkovPredictor, interleaved_trace, requests_from_trace, simulate
 from memos_ref.tiering.store import Tier, TierStore
-from memos_ref.traces import make_trace
 
 __all__ = ["human", "plot", "run"]
 
@@ -99,30 +98,30 @@ def _codecs(spec: Any, blocks: list[torch.Tensor], quick: bool) -> list[dict[str
 def _policies(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     rows, prefetch_rows = [], []
     for trace in ("chat", "multi_agent", "tool_heavy"):
-        reqs = requests_from_trace(make_trace(trace, scale=1.0 if quick else 3.0))
-        distinct = len({h for r in reqs for h in block_hashes(r.token_ids[: len(r.token_ids) // 16 * 16], 16)})
-        for frac in (8, 4, 2):
-            cap = max(4, distinct // frac)
+        reqs = requests_from_trace(interleaved_trace(trace, copies=2 if quick else 4))
+        largest = max(len(r.token_ids) // 16 for r in reqs)  # the device must hold one whole prompt
+        for factor in (1.0, 1.5, 2.0, 3.0):
+            cap = int(largest * factor)
             for policy in POLICIES:
                 with_tier = simulate(reqs, device_blocks=cap, policy=policy)
                 no_tier = simulate(reqs, device_blocks=cap, policy=policy, tier=False)
                 rows.append(
                     {
                         "trace": trace,
-                        "capacity": f"1/{frac}",
+                        "capacity": f"{factor:g}x largest prompt",
                         "device_blocks": cap,
                         "policy": policy,
                         "device_hit_rate": with_tier["device_hit_rate"],
+                        "hit_rate_with_tier": with_tier["hit_rate"],
                         "bytes_moved": with_tier["bytes_moved"],
                         "hit_rate_no_tier": no_tier["hit_rate"],
                         "recomputed_tokens_no_tier": no_tier["recomputed_tokens"],
                         "recomputed_tokens_with_tier": with_tier["recomputed_tokens"],
                     }
                 )
-        cap = max(4, distinct // 8)
-        base = simulate(reqs, device_blocks=cap, policy="lru")
+        base = simulate(reqs, device_blocks=largest, policy="lru")
         for window in (3, 5):
-            p = simulate(reqs, device_blocks=cap, policy="lru", prefetch=MarkovPredictor(window, 0.6))
+            p = simulate(reqs, device_blocks=largest, policy="lru", prefetch=MarkovPredictor(window, 0.6))
             prefetch_rows.append(
                 {
                     "trace": trace,
@@ -132,6 +131,8 @@ def _policies(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
                     "prefetched_blocks": p["prefetched_blocks"],
                     "prefetched_used": p["prefetched_used"],
                     "prefetched_unused": p["prefetched_unused"],
+                    "bytes_moved": p["bytes_moved"],
+                    "bytes_moved_without": base["bytes_moved"],
                 }
             )
     return rows, prefetch_rows
@@ -209,7 +210,7 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
     bw = {r["tier"]: r for r in bandwidth}
     hit_by_policy: dict[str, dict[str, float]] = {}
     for r in policies:
-        if r["capacity"] == "1/8":
+        if r["capacity"] == "1x largest prompt":
             hit_by_policy.setdefault(r["trace"], {})[r["policy"]] = round(r["device_hit_rate"], 4)
     summary: dict[str, Any] = {
         "host_swap_gbps": round(bw["host"]["swap_in_gbps"], 3),
@@ -227,7 +228,7 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
         "model": "shipped (fp32, 2 KiB of KV per token); blocks of 16 tokens = 32 KiB",
         "kv_tokens": 512 if quick else 2048,
         "codec_blocks": 16 if quick else 64,
-        "trace_scale": 1.0 if quick else 3.0,
+        "trace_users": 2 if quick else 4,
         "redis": "private redis-server on 127.0.0.1" if server is not None else "redis-server not installed",
         "calibration": {k: v for k, v in calibration.items() if k != "prefill_fit"},
     }
@@ -244,7 +245,7 @@ def human(report: dict[str, Any]) -> str:
         + ", ".join(f"{t} {s.get(f'break_even_tokens_{t}')}" for t in ("host", "disk", "redis"))
     )
     lines += ["", format_table(report["codecs"], ["dtype", "codec", "ratio", "encode_mb_s", "decode_mb_s"]), ""]
-    rows = [r for r in report["policies"] if r["capacity"] == "1/8"]
+    rows = [r for r in report["policies"] if r["capacity"] == "1x largest prompt"]
     cols = ["trace", "device_blocks", "policy", "device_hit_rate", "bytes_moved", "hit_rate_no_tier"]
     lines += [format_table(rows, cols), ""]
     lines += [format_table(report["prefetch"], list(report["prefetch"][0])), ""]

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import random
 from collections import Counter, defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from memos_ref.paged.prefix import block_hashes
 from memos_ref.tiering.policies import BlockHistory, priority_function
-from memos_ref.traces import SYSTEM_PROMPTS, TraceEvent
+from memos_ref.traces import SYSTEM_PROMPTS, TraceEvent, make_trace
 
-__all__ = ["MarkovPredictor", "Request", "requests_from_trace", "simulate"]
+__all__ = ["MarkovPredictor", "Request", "interleaved_trace", "requests_from_trace", "simulate"]
 
 
 @dataclass
@@ -38,6 +38,18 @@ class Request:
     session: str
     token_ids: list[int]
     kinds: list[str] = field(default_factory=list)  # per full block: system, tools, turn
+
+
+def interleaved_trace(name: str, copies: int = 4, scale: float = 1.0) -> list[TraceEvent]:
+    """``copies`` independent users of trace ``name`` (seeds 0..copies-1) active at once: their events merged
+    by time. A single shipped trace runs its sessions one after another; caches only feel pressure, and
+    policies only differ, when users overlap."""
+    events = []
+    for c in range(copies):
+        for e in make_trace(name, seed=c, scale=scale):
+            parent = f"{c}:{e.parent}" if e.parent else None
+            events.append(replace(e, session=f"{c}:{e.session}", parent=parent))
+    return sorted(events, key=lambda e: e.t)
 
 
 def _encode(text: str) -> list[int]:
