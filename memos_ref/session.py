@@ -389,6 +389,8 @@ class CacheSession:
         self.suspended = False
         self.resumed_reused += reused
         self.resumed_computed += len(ids) - reused
+        if self.manager.tiering is not None:
+            self.manager.tiering.counts["recomputed_tokens"] += len(ids) - reused
         self.events.append(("resumed", {"reused": reused, "recomputed": len(ids) - reused}))
 
     def _rollback(self) -> None:

@@ -128,6 +128,12 @@ class TierManager:
         for h in hashes:
             self.kinds[h] = kind
 
+    def residency(self, block_hash: bytes) -> str | None:
+        """Where the block with this prefix hash lives: ``"device"``, a tier's name, or None."""
+        if block_hash in self.kv.prefix_cache._block_of:
+            return "device"
+        return self.store.locate(block_hash.hex())
+
     def touch(self, blocks: Iterable[int], now: float | None = None) -> None:
         """Record a use of ``blocks`` (the policies rank by these)."""
         now = self.clock() if now is None else now
