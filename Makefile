@@ -63,7 +63,7 @@ demo: setup
 
 bench: setup redis
 	@mkdir -p bench_results
-	@for name in decode growth allocator waste sharing agent memory quant; do \
+	@for name in decode growth allocator waste sharing agent memory quant tiering; do \
 		echo "== bench $$name"; \
 		$(BIN)/python -m memos_ref.bench $$name --plot bench_results/$$name.png || exit 1; \
 	done
