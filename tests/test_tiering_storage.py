@@ -167,3 +167,18 @@ def test_tier_store_falls_through_damaged_copies(tmp_path):
     assert store.bandwidth("host") is not None and store.stats()["disk"]["codec"] == "zstd-3+shuffle"
     with pytest.raises(ConfigError, match="distinct names"):
         TierStore([Tier(host), Tier(HostMemoryBackend(10))], spec=SPEC, fingerprint=FP)
+
+
+def test_blocks_evicted_from_a_tier_are_demoted_to_the_next(tmp_path):
+    file_size = len(encode_block(block(), spec=SPEC, fingerprint=FP, codec=Codec("none"), key="k0"))
+    host = HostMemoryBackend(int(2.5 * file_size))  # room for two blocks
+    disk = DiskBackend(tmp_path / "kv", 1 << 20)
+    store = TierStore([Tier(host), Tier(disk, get_codec("zstd-3"))], spec=SPEC, fingerprint=FP)
+    blocks = {f"k{i}": block(i) for i in range(4)}
+    for key, b in blocks.items():
+        assert store.put(key, b, "host")
+    assert sorted(host.keys()) == ["k2", "k3"] and sorted(disk.keys()) == ["k0", "k1"]
+    assert store.counts["host"]["demoted_out"] == 2 and store.counts["disk"]["demoted_in"] == 2
+    for key, b in blocks.items():
+        got, tier = store.get(key)
+        assert torch.equal(got, b) and tier == ("host" if key in ("k2", "k3") else "disk")

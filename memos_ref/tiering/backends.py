@@ -2,8 +2,9 @@
 
 A backend stores opaque bytes (:mod:`memos_ref.tiering.blockfile` makes and checks them) under validated keys:
 ``put``, ``get``, ``delete``, ``contains``, ``keys``, ``stats`` and batched ``put_many`` / ``get_many``. Each
-has a byte budget and evicts its least recently used blocks to stay inside it (Redis: its own ``maxmemory``
-policy, plus an optional TTL).
+has a byte budget and evicts its least recently used blocks to stay inside it — handing each to ``on_evict``
+first, so the tier store can demote it to the next tier (Redis: its own ``maxmemory`` policy, plus an optional
+TTL).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,8 @@ class _BudgetLRU(TierBackend):
         self.budget_bytes = budget_bytes
         self._sizes: OrderedDict[str, int] = OrderedDict()
         self._used = 0
+        #: called with (key, data) for each block evicted to fit the budget (the tier store demotes it)
+        self.on_evict: Callable[[str, bytes], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -103,11 +106,19 @@ class _BudgetLRU(TierBackend):
             victim = next(iter(self._sizes))
             if victim == keep:
                 break
+            if self.on_evict is not None:
+                data = self._peek(victim)
+                if data is not None:
+                    self.on_evict(victim, data)
             self._drop(victim)
             self.counts["evictions"] += 1
 
     @abstractmethod
     def _drop(self, key: str) -> None: ...
+
+    @abstractmethod
+    def _peek(self, key: str) -> bytes | None:
+        """The stored bytes, without counting a hit or touching the LRU order."""
 
 
 class HostMemoryBackend(_BudgetLRU):
@@ -162,6 +173,10 @@ class HostMemoryBackend(_BudgetLRU):
     def _drop(self, key: str) -> None:
         self._used -= self._sizes.pop(key)
         del self._data[key]
+
+    def _peek(self, key: str) -> bytes | None:
+        value = self._data.get(key)
+        return value.numpy().tobytes() if isinstance(value, torch.Tensor) else value
 
 
 class DiskBackend(_BudgetLRU):
@@ -244,6 +259,12 @@ class DiskBackend(_BudgetLRU):
     def _drop(self, key: str) -> None:
         self._used -= self._sizes.pop(key)
         self.path(key).unlink(missing_ok=True)
+
+    def _peek(self, key: str) -> bytes | None:
+        try:
+            return self.path(key).read_bytes()
+        except OSError:
+            return None
 
 
 class RedisTierBackend(TierBackend):

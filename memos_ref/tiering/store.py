@@ -1,7 +1,8 @@
 """TierStore: the tiers below the device pool, fastest first (host → disk → Redis), each with its codec.
 
-``put`` encodes a block (:mod:`~memos_ref.tiering.blockfile`) into one tier; ``get`` looks through the tiers in
-order and decodes the first copy it finds. A copy that fails its checks (truncated, garbled, wrong checksum,
+``put`` encodes a block (:mod:`~memos_ref.tiering.blockfile`) into one tier; a block a tier evicts to stay in
+its budget is demoted to the next tier; ``get`` looks through the tiers in order and decodes the first copy it
+finds. A copy that fails its checks (truncated, garbled, wrong checksum,
 another model) is counted as ``corrupt``, deleted, and treated as a miss — the caller recomputes; nothing
 damaged is ever returned. Every transfer is timed: ``bandwidth(tier)`` is the measured bytes per second of raw
 KV (an exponential moving average), which the tier manager uses to choose between reloading and recomputing.
@@ -9,6 +10,7 @@ KV (an exponential moving average), which the tier manager uses to choose betwee
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -54,6 +56,17 @@ class TierStore:
         self.by_name = {t.name: t for t in tiers}
         self.counts: dict[str, Counter[str]] = {t.name: Counter() for t in tiers}
         self._bandwidth: dict[str, float] = {}
+        for upper, lower in itertools.pairwise(tiers):  # a block a tier evicts to fit its budget moves down
+            if hasattr(upper.backend, "on_evict"):
+                upper.backend.on_evict = self._demoter(upper, lower)
+
+    def _demoter(self, upper: Tier, lower: Tier):
+        def demote(key: str, data: bytes) -> None:
+            if lower.backend.put(key, data):  # it keeps the codec it was written with (the header says which)
+                self.counts[upper.name]["demoted_out"] += 1
+                self.counts[lower.name]["demoted_in"] += 1
+
+        return demote
 
     def tier(self, name: str | int) -> Tier:
         if isinstance(name, int):
