@@ -376,15 +376,7 @@ class CacheSession:
     def _resume(self) -> None:
         """Rebuild the cache from the device prefix cache, the tiers, and recomputation, in that order."""
         ids = self.token_ids
-        hit = PagedCache.from_prefix(self.manager.kv, torch.tensor([ids]), cache_salt=self.cache.cache_salt)
-        reused = hit.get_seq_length()
-        try:
-            with torch.no_grad():
-                self.manager.model(torch.tensor([ids[reused:]]), hit)
-            hit.set_token_ids(torch.tensor([ids]))
-        except Exception:
-            hit.free()
-            raise
+        hit, reused = self._build(ids)
         self.cache = hit
         self.suspended = False
         self.resumed_reused += reused
@@ -403,8 +395,9 @@ class CacheSession:
         seq.truncate(min(len(self.token_ids), seq.num_tokens))
 
     # ------------------------------------------------------------------ building
-    def _prefill(self, ids: list[int], plan: list[tuple[SegmentKind, str, list[int]]]) -> None:
-        """Fill an empty session with ``ids`` (BOS + planned segments), reusing cached prefix blocks."""
+    def _build(self, ids: list[int]) -> tuple[PagedCache, int]:
+        """A new cache holding ``ids``: the cached prefix (device, then tiers) reused, the rest computed.
+        Returns it and how many tokens were reused; on failure nothing stays referenced."""
         hit = PagedCache.from_prefix(self.manager.kv, torch.tensor([ids]), cache_salt=self.cache.cache_salt)
         reused = hit.get_seq_length()
         try:
@@ -412,8 +405,13 @@ class CacheSession:
                 self.manager.model(torch.tensor([ids[reused:]]), hit)
             hit.set_token_ids(torch.tensor([ids]))
         except Exception:
-            hit.free()  # nothing of the half-built session stays referenced
+            hit.free()
             raise
+        return hit, reused
+
+    def _prefill(self, ids: list[int], plan: list[tuple[SegmentKind, str, list[int]]]) -> None:
+        """Fill an empty session with ``ids`` (BOS + planned segments), reusing cached prefix blocks."""
+        hit, reused = self._build(ids)
         self.cache.free()
         self.cache = hit
         self.token_ids = list(ids)

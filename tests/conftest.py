@@ -58,3 +58,17 @@ def tiny_pair(tiny_model_dir):
     from memos_ref.model import load_hf_model, load_model
 
     return load_model(tiny_model_dir), load_hf_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A private redis-server on a free loopback port for the whole run. Missing in CI is a failure (``make test``
+    installs it); elsewhere the Redis tests skip with the reason."""
+    from memos_ref.memory import RedisServer, redis_server_path
+
+    if redis_server_path() is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is missing in CI: `make test` should have installed it (apt-get install -y)")
+        pytest.skip("redis-server is not installed here (apt-get install -y redis-server); `make test` installs it")
+    with RedisServer() as server:
+        yield server

@@ -33,16 +33,6 @@ class FakeClock:
         return self.now
 
 
-@pytest.fixture(scope="session")
-def redis_server():
-    if redis_server_path() is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is missing in CI: `make test` should have installed it (apt-get install -y)")
-        pytest.skip("redis-server is not installed here (apt-get install -y redis-server); `make test` installs it")
-    with RedisServer() as server:
-        yield server
-
-
 class Harness:
     """Builds backends of one kind and moves their time forward."""
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from memos_ref.errors import ConfigError, CorruptCacheError, ModelMismatchError
-from memos_ref.memory import RedisServer, redis_server_path
 from memos_ref.spec import KVSpec
 from memos_ref.tiering.backends import DiskBackend, HostMemoryBackend, RedisTierBackend
 from memos_ref.tiering.blockfile import decode_block, encode_block
@@ -27,13 +26,8 @@ def block(seed: int = 0, spec: KVSpec = SPEC) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def redis_url():
-    if redis_server_path() is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is missing in CI: `make test` should have installed it")
-        pytest.skip("redis-server is not installed here (apt-get install -y redis-server)")
-    with RedisServer() as server:
-        yield server.url
+def redis_url(redis_server):
+    return redis_server.url
 
 
 # ---------------------------------------------------------------------- codecs and the file format

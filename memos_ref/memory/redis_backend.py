@@ -23,21 +23,14 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from memos_ref.errors import CapacityExceededError, ConfigError
+from memos_ref.errors import ConfigError
 from memos_ref.memory.backend import DEFAULT, CacheBackend
-from memos_ref.memory.store import validate_key
+from memos_ref.memory.store import encode_value, validate_key
 from memos_ref.resilient import ResilientRedis
 
 __all__ = ["RedisBackend"]
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-def _encode(key: str, value: Any) -> bytes:
-    try:
-        return json.dumps(value, separators=(",", ":")).encode()
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"value for {key!r} is not JSON-serialisable: {exc}") from None
 
 
 class RedisBackend(CacheBackend):
@@ -103,14 +96,7 @@ class RedisBackend(CacheBackend):
     # ------------------------------------------------------------------ the primitives
     def set(self, key: str, value: Any, ttl: float | None = DEFAULT) -> None:  # type: ignore[assignment]
         rkey = self._key(key)
-        payload = _encode(key, value)
-        size = len(payload) + len(key)
-        if size > self.max_value_bytes:
-            raise CapacityExceededError(
-                f"value for {key!r} is {size} bytes; the largest allowed is {self.max_value_bytes}",
-                needed=size,
-                capacity=self.max_value_bytes,
-            )
+        payload = encode_value(key, value, self.max_value_bytes)
         ttl = self._ttl_to_store(ttl)
         px = None if ttl is None else max(1, round(ttl * 1000))
         if self._call(lambda: self.client.set(rkey, payload, px=px), None) is None:
@@ -171,14 +157,7 @@ class RedisBackend(CacheBackend):
         """One round trip (a pipeline) for every item."""
         prepared = []
         for key, value in items.items():  # validate everything before writing anything
-            rkey, payload = self._key(key), _encode(key, value)
-            if len(payload) + len(key) > self.max_value_bytes:
-                raise CapacityExceededError(
-                    f"value for {key!r} is {len(payload) + len(key)} bytes; the largest allowed is "
-                    f"{self.max_value_bytes}",
-                    needed=len(payload) + len(key),
-                    capacity=self.max_value_bytes,
-                )
+            rkey, payload = self._key(key), encode_value(key, value, self.max_value_bytes)
             stored_ttl = self._ttl_to_store(ttl)
             prepared.append((rkey, payload, None if stored_ttl is None else max(1, round(stored_ttl * 1000))))
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from memos_ref.errors import CapacityExceededError, ConfigError
 
-__all__ = ["POLICIES", "KVEntry", "TTLStore", "validate_key"]
+__all__ = ["POLICIES", "KVEntry", "TTLStore", "encode_value", "validate_key"]
 
 POLICIES = ("lru", "lfu", "hybrid")
 _MAX_KEY = 250
@@ -40,6 +40,23 @@ def validate_key(key: str) -> str:
     if not isinstance(key, str) or not 0 < len(key) <= _MAX_KEY or not key.isprintable() or " " in key:
         raise ConfigError(f"invalid key {key!r}: expected 1-{_MAX_KEY} printable characters without whitespace")
     return key
+
+
+def encode_value(key: str, value: Any, max_value_bytes: int) -> bytes:
+    """``value`` as compact JSON, refused when not JSON-serialisable or when it (with its key) exceeds
+    ``max_value_bytes`` (seed 002 §4.3, §7.3)."""
+    try:
+        payload = json.dumps(value, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"value for {key!r} is not JSON-serialisable: {exc}") from None
+    size = len(payload) + len(key)
+    if size > max_value_bytes:
+        raise CapacityExceededError(
+            f"value for {key!r} is {size} bytes; the largest allowed is {max_value_bytes}",
+            needed=size,
+            capacity=max_value_bytes,
+        )
+    return payload
 
 
 @dataclass
@@ -115,17 +132,8 @@ class TTLStore:
     def set(self, key: str, value: Any, ttl: float | None = ...) -> None:  # type: ignore[assignment]
         """Store ``value`` (JSON-serialisable) for ``ttl`` seconds (default: the store's); resets its count."""
         validate_key(key)
-        try:
-            payload = json.dumps(value, separators=(",", ":")).encode()
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"value for {key!r} is not JSON-serialisable: {exc}") from None
+        payload = encode_value(key, value, self.max_value_bytes)
         size = len(payload) + len(key)
-        if size > self.max_value_bytes:
-            raise CapacityExceededError(
-                f"value for {key!r} is {size} bytes; the largest allowed is {self.max_value_bytes}",
-                needed=size,
-                capacity=self.max_value_bytes,
-            )
         ttl = self.default_ttl if ttl is ... else ttl
         if ttl is not None and ttl <= 0:
             raise ConfigError(f"ttl must be positive or None, got {ttl}")

@@ -16,10 +16,24 @@ import torch
 from memos_ref.errors import ConfigError, DeviceError, DTypeError, InvalidBlockError, ShapeError
 from memos_ref.spec import KVSpec
 
-__all__ = ["POISON", "BlockPool"]
+__all__ = ["POISON", "BlockPool", "check_kv"]
 
 #: Value written into freed blocks in debug mode, so a use-after-free shows as NaN in the output.
 POISON = float("nan")
+
+
+def check_kv(spec: KVSpec, device: torch.device, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Reject K/V ``[n, H, D]`` a pool of ``spec`` on ``device`` cannot store, naming expected and actual."""
+    h, d = spec.num_kv_heads, spec.head_dim
+    if key.shape != value.shape or key.ndim != 3 or key.shape[1:] != (h, d):
+        raise ShapeError(
+            f"key/value must both be [tokens, kv_heads={h}, head_dim={d}], got {tuple(key.shape)} and "
+            f"{tuple(value.shape)}"
+        )
+    if key.dtype != spec.dtype or value.dtype != spec.dtype:
+        raise DTypeError(f"key/value dtype {key.dtype}/{value.dtype} does not match the pool's {spec.dtype}")
+    if key.device != device:
+        raise DeviceError(f"key device {key.device} does not match the pool's {device}")
 
 
 class BlockPool:
@@ -120,16 +134,7 @@ class BlockPool:
     # ------------------------------------------------------------------ data movement
     def check_kv(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Reject K/V ``[n, H, D]`` this pool cannot store (shape, dtype, device), naming expected and actual."""
-        h, d = self.spec.num_kv_heads, self.spec.head_dim
-        if key.shape != value.shape or key.ndim != 3 or key.shape[1:] != (h, d):
-            raise ShapeError(
-                f"key/value must both be [tokens, kv_heads={h}, head_dim={d}], got {tuple(key.shape)} and "
-                f"{tuple(value.shape)}"
-            )
-        if key.dtype != self.spec.dtype or value.dtype != self.spec.dtype:
-            raise DTypeError(f"key/value dtype {key.dtype}/{value.dtype} does not match the pool's {self.spec.dtype}")
-        if key.device != self.device:
-            raise DeviceError(f"key device {key.device} does not match the pool's {self.device}")
+        check_kv(self.spec, self.device, key, value)
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Scatter one layer's K/V ``[n, H, D]`` into ``slots [n]`` (slot = block · T + offset; -1 skips)."""

@@ -30,12 +30,11 @@ import torch
 
 from memos_ref.errors import (
     ConfigError,
-    DeviceError,
-    DTypeError,
     InvalidBlockError,
     ShapeError,
     StagingFullError,
 )
+from memos_ref.paged.pool import check_kv
 from memos_ref.quant.schemes import FP8_MAX, FP8E4M3, KIVI, Float16, PerTensorInt8, PerTokenInt8, Quantizer
 from memos_ref.spec import KVSpec
 
@@ -186,16 +185,7 @@ class QuantizedBlockPool:
 
     # ------------------------------------------------------------------ writes
     def check_kv(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        h, d = self.spec.num_kv_heads, self.spec.head_dim
-        if key.shape != value.shape or key.ndim != 3 or key.shape[1:] != (h, d):
-            raise ShapeError(
-                f"key/value must both be [tokens, kv_heads={h}, head_dim={d}], got {tuple(key.shape)} and "
-                f"{tuple(value.shape)}"
-            )
-        if key.dtype != self.spec.dtype or value.dtype != self.spec.dtype:
-            raise DTypeError(f"key/value dtype {key.dtype}/{value.dtype} does not match the pool's {self.spec.dtype}")
-        if key.device != self.device:
-            raise DeviceError(f"key device {key.device} does not match the pool's {self.device}")
+        check_kv(self.spec, self.device, key, value)
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store one layer's K/V ``[n, H, D]`` at ``slots [n]`` (slot = block · T + offset; -1 skips)."""

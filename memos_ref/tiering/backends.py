@@ -101,6 +101,24 @@ class _BudgetLRU(TierBackend):
     def contains(self, key: str) -> bool:
         return validate_block_key(key) in self._sizes
 
+    def delete(self, key: str) -> bool:
+        validate_block_key(key)
+        with self._lock:
+            if key not in self._sizes:
+                return False
+            self._drop(key)
+            return True
+
+    def _reserve(self, key: str, size: int) -> bool:
+        """Make room for ``size`` bytes under ``key`` (replacing what it held); False if it can never fit."""
+        if size > self.budget_bytes:
+            self.counts["rejected"] += 1
+            return False
+        if key in self._sizes:
+            self._used -= self._sizes.pop(key)
+        self._make_room(size, keep=key)
+        return True
+
     def _make_room(self, need: int, keep: str) -> None:
         while self._used + need > self.budget_bytes and self._sizes:
             victim = next(iter(self._sizes))
@@ -134,12 +152,8 @@ class HostMemoryBackend(_BudgetLRU):
     def put(self, key: str, data: bytes) -> bool:
         validate_block_key(key)
         with self._lock:
-            if len(data) > self.budget_bytes:
-                self.counts["rejected"] += 1
+            if not self._reserve(key, len(data)):
                 return False
-            if key in self._sizes:
-                self._drop(key)
-            self._make_room(len(data), keep=key)
             if self.pin:
                 buf = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
                 buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
@@ -161,14 +175,6 @@ class HostMemoryBackend(_BudgetLRU):
             self._sizes.move_to_end(key)
             self.counts["hits"] += 1
             return value.numpy().tobytes() if isinstance(value, torch.Tensor) else value
-
-    def delete(self, key: str) -> bool:
-        validate_block_key(key)
-        with self._lock:
-            if key not in self._sizes:
-                return False
-            self._drop(key)
-            return True
 
     def _drop(self, key: str) -> None:
         self._used -= self._sizes.pop(key)
@@ -209,12 +215,8 @@ class DiskBackend(_BudgetLRU):
     def put(self, key: str, data: bytes) -> bool:
         path = self.path(key)
         with self._lock:
-            if len(data) > self.budget_bytes:
-                self.counts["rejected"] += 1
+            if not self._reserve(key, len(data)):
                 return False
-            if key in self._sizes:
-                self._used -= self._sizes.pop(key)
-            self._make_room(len(data), keep=key)
             path.parent.mkdir(exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
             try:
@@ -247,14 +249,6 @@ class DiskBackend(_BudgetLRU):
             self._sizes.move_to_end(key)
             self.counts["hits"] += 1
             return data
-
-    def delete(self, key: str) -> bool:
-        validate_block_key(key)
-        with self._lock:
-            if key not in self._sizes:
-                return False
-            self._drop(key)
-            return True
 
     def _drop(self, key: str) -> None:
         self._used -= self._sizes.pop(key)
