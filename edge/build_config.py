@@ -1,0 +1,229 @@
+"""The exact ``trtllm-build`` and run commands for a Jetson, from the planner's numbers.
+
+``python -m memos_edge.build_config --model llama-3-8b --device orin-agx-64gb --checkpoint ckpt --engine engine
+[--dialect v0.12|latest] [--batch 4] [--max-input-len 2048] [--context-chunk 512] [--json]``
+
+Two dialects: ``v0.12`` (the only TensorRT-LLM release for Jetson, ``v0.12.0-jetson``: ``--paged_kv_cache
+enable``) and ``latest`` (``--kv_cache_type paged``). The runtime settings map our memory onto TensorRT-LLM's:
+``kv_cache_free_gpu_memory_fraction`` is the planner's KV fraction, ``enable_block_reuse`` is our prefix sharing
+(TensorRT-LLM reuses full blocks of identical prefixes), ``tokens_per_block`` is our block size.
+Impossible combinations are refused before anything runs on the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from memos_edge.devices import PROFILES
+from memos_edge.plan import Plan, plan
+
+from memos_ref.errors import ConfigError
+
+__all__ = ["BuildConfig", "build_command", "deploy_script", "main", "make_config", "run_command"]
+
+DIALECTS = ("v0.12", "latest")
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    checkpoint_dir: str
+    engine_dir: str
+    dtype: str
+    max_batch_size: int
+    max_input_len: int
+    max_seq_len: int
+    max_num_tokens: int
+    tokens_per_block: int
+    context_chunk: int | None
+    kv_cache_free_gpu_memory_fraction: float
+    max_tokens_in_paged_kv_cache: int
+    kv_dtype: str
+
+    def check(self) -> None:
+        t = self.tokens_per_block
+        if t < 8 or t > 128 or t & (t - 1):
+            raise ConfigError(f"tokens_per_block must be a power of two in 8-128 (the XQA kernel), got {t}")
+        if self.max_seq_len < self.max_input_len:
+            raise ConfigError(f"max_seq_len {self.max_seq_len} is below max_input_len {self.max_input_len}")
+        if self.context_chunk is not None:
+            if self.context_chunk % t:
+                raise ConfigError(
+                    f"a context chunk of {self.context_chunk} tokens is not a multiple of tokens_per_block {t}"
+                )
+            if self.max_num_tokens < self.context_chunk:
+                raise ConfigError(f"max_num_tokens {self.max_num_tokens} is below the context chunk")
+        elif self.max_num_tokens < self.max_input_len:
+            raise ConfigError(
+                f"max_num_tokens {self.max_num_tokens} < max_input_len {self.max_input_len}: enable chunked "
+                f"context (--context-chunk) or raise max_num_tokens"
+            )
+        if self.kv_dtype == "fp8":
+            raise ConfigError("FP8 KV cache needs sm_89+; Orin is sm_87: use int8 or fp16")
+        if self.max_batch_size < 1:
+            raise ConfigError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+
+def make_config(
+    p: Plan,
+    checkpoint_dir: str,
+    engine_dir: str,
+    *,
+    dtype: str = "float16",
+    batch: int = 1,
+    max_input_len: int | None = None,
+    max_seq_len: int | None = None,
+    context_chunk: int | None = None,
+    kv_fraction: float = 0.9,
+) -> BuildConfig:
+    """A build configuration from a plan: the largest sequence that fits ``batch`` rows, by default."""
+    fits = p.max_context_by_batch.get(batch)
+    if fits is None:
+        fits = min((p.blocks // batch) * p.tokens_per_block, max(p.max_context_by_batch.values(), default=0))
+    seq = max_seq_len or fits
+    if seq <= 0:
+        raise ConfigError(f"{p.model} leaves no room for KV on {p.device} ({p.free_bytes / 2**30:.2f} GiB free)")
+    if seq > fits:
+        raise ConfigError(f"max_seq_len {seq} x batch {batch} does not fit: at most {fits} tokens per row")
+    inp = max_input_len or max(p.tokens_per_block, seq // 2)
+    chunk = context_chunk
+    tokens = (chunk or inp) + batch  # one context (or chunk) plus a decode token for every row
+    cfg = BuildConfig(
+        checkpoint_dir=checkpoint_dir,
+        engine_dir=engine_dir,
+        dtype=dtype,
+        max_batch_size=batch,
+        max_input_len=inp,
+        max_seq_len=seq,
+        max_num_tokens=tokens,
+        tokens_per_block=p.tokens_per_block,
+        context_chunk=chunk,
+        kv_cache_free_gpu_memory_fraction=kv_fraction,
+        max_tokens_in_paged_kv_cache=p.kv_tokens,
+        kv_dtype=p.kv_dtype,
+    )
+    cfg.check()
+    return cfg
+
+
+def build_command(cfg: BuildConfig, dialect: str = "v0.12") -> list[str]:
+    """``trtllm-build`` arguments for the configuration, in one of the two dialects."""
+    if dialect not in DIALECTS:
+        raise ConfigError(f"dialect must be one of {DIALECTS}, got {dialect!r}")
+    cfg.check()
+    kv = ["--paged_kv_cache", "enable"] if dialect == "v0.12" else ["--kv_cache_type", "paged"]
+    cmd = [
+        "trtllm-build",
+        "--checkpoint_dir", cfg.checkpoint_dir,
+        "--output_dir", cfg.engine_dir,
+        "--gemm_plugin", cfg.dtype,
+        "--gpt_attention_plugin", cfg.dtype,
+        *kv,
+        "--tokens_per_block", str(cfg.tokens_per_block),
+        "--remove_input_padding", "enable",
+        "--context_fmha", "enable",
+        "--use_paged_context_fmha", "enable",
+        "--max_batch_size", str(cfg.max_batch_size),
+        "--max_input_len", str(cfg.max_input_len),
+        "--max_seq_len", str(cfg.max_seq_len),
+        "--max_num_tokens", str(cfg.max_num_tokens),
+    ]  # fmt: skip
+    return cmd
+
+
+def runtime_config(cfg: BuildConfig) -> dict[str, Any]:
+    """Runtime settings: the KV pool fraction, block reuse (our prefix sharing), chunked context."""
+    return {
+        "kv_cache_free_gpu_memory_fraction": cfg.kv_cache_free_gpu_memory_fraction,
+        "enable_block_reuse": True,
+        "enable_chunked_context": cfg.context_chunk is not None,
+        "max_tokens_in_paged_kv_cache": cfg.max_tokens_in_paged_kv_cache,
+        "tokens_per_block": cfg.tokens_per_block,
+    }
+
+
+def run_command(cfg: BuildConfig, tokenizer_dir: str, prompt: str, max_output_len: int = 128) -> list[str]:
+    """``examples/run.py`` arguments (TensorRT-LLM v0.12) for one prompt with the runtime settings."""
+    rt = runtime_config(cfg)
+    cmd = [
+        "python3", "examples/run.py",
+        "--engine_dir", cfg.engine_dir,
+        "--tokenizer_dir", tokenizer_dir,
+        "--max_output_len", str(max_output_len),
+        "--kv_cache_free_gpu_memory_fraction", str(rt["kv_cache_free_gpu_memory_fraction"]),
+        "--kv_cache_enable_block_reuse",
+        "--input_text", prompt,
+    ]  # fmt: skip
+    if rt["enable_chunked_context"]:
+        cmd.append("--enable_chunked_context")
+    return cmd
+
+
+def deploy_script(cfg: BuildConfig, tokenizer_dir: str, prompt: str, dialect: str = "v0.12") -> str:
+    """A bash script for the device: build the engine, run a prompt, print tokens/s and the KV pool's lines."""
+    build = shlex.join(build_command(cfg, dialect))
+    run = shlex.join(run_command(cfg, tokenizer_dir, prompt))
+    return f"""#!/usr/bin/env bash
+# Generated by `python -m memos_edge.build_config` for TensorRT-LLM {dialect} on Jetson Orin (JetPack 6.1).
+# Run it from the TensorRT-LLM source tree (v0.12.0-jetson branch) or inside its Jetson container.
+set -euo pipefail
+{build} 2>&1 | tee build.log
+start=$(date +%s.%N)
+{run} --run_profiling 2>&1 | tee run.log
+end=$(date +%s.%N)
+echo "wall time: $(echo "$end - $start" | bc) s"
+grep -E "paged KV cache|tokens per block|max tokens in paged KV|Allocated .* KV" build.log run.log || true
+grep -Ei "tokens/s|throughput|latency" run.log || true
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m memos_edge.build_config", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", required=True, choices=sorted(PROFILES))
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--engine", required=True)
+    parser.add_argument("--tokenizer", default="tokenizer")
+    parser.add_argument("--weights", default="int4")
+    parser.add_argument("--kv-dtype", default="fp16")
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    parser.add_argument("--dialect", default="v0.12", choices=DIALECTS)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--max-input-len", type=int)
+    parser.add_argument("--max-seq-len", type=int)
+    parser.add_argument("--context-chunk", type=int)
+    parser.add_argument("--prompt", default="Write a Python function that reverses a string.")
+    parser.add_argument("--write-deploy", metavar="FILE", help="also write the on-device bash script")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    p = plan(args.model, args.device, kv_dtype=args.kv_dtype, weights=args.weights)
+    cfg = make_config(
+        p,
+        args.checkpoint,
+        args.engine,
+        dtype=args.dtype,
+        batch=args.batch,
+        max_input_len=args.max_input_len,
+        max_seq_len=args.max_seq_len,
+        context_chunk=args.context_chunk,
+    )
+    out = {
+        "build": shlex.join(build_command(cfg, args.dialect)),
+        "run": shlex.join(run_command(cfg, args.tokenizer, args.prompt)),
+        "runtime": runtime_config(cfg),
+        "config": asdict(cfg),
+    }
+    if args.write_deploy:
+        path = Path(args.write_deploy)
+        path.write_text(deploy_script(cfg, args.tokenizer, args.prompt, args.dialect))
+        path.chmod(0o755)
+    print(json.dumps(out, indent=2) if args.json else f"{out['build']}\n\n{out['run']}\n\n{json.dumps(out['runtime'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
