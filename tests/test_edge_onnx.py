@@ -61,3 +61,14 @@ def test_onnx_decode_equals_the_package_forward(graph):
 def test_export_refuses_a_table_wider_than_the_pool():
     with pytest.raises(ConfigError, match="exceeds the pool"):
         export(load_model(), "/nonexistent/x.onnx", blocks=4, max_blocks=8)
+
+
+def test_tensorrt_boundary(graph, tmp_path):
+    from memos_edge.trt import build_onnx_engine, tensorrt_available
+
+    from memos_ref.errors import BackendUnavailableError
+
+    if tensorrt_available():
+        pytest.skip("TensorRT is installed: build and time the engine on the device (edge/README.md)")
+    with pytest.raises(BackendUnavailableError, match="trtexec --onnx="):
+        build_onnx_engine(graph[1], tmp_path / "decode.plan")
