@@ -120,4 +120,10 @@ def attend_sequences(
         tables[i, : seq.num_blocks] = seq.block_table_tensor()
     lens = torch.tensor([seq.layer_tokens[layer] for seq in sequences])  # [B]
     view = pool.layer_view(layer)  # [num_blocks, 2, H, T, D]
+    if query.shape[2] == 1:  # a decode step: the kernel when memos_ref.ops says so, else the reference
+        from memos_ref import ops
+
+        device = view.device
+        out = ops.paged_decode(query[:, :, 0], view[:, 0], view[:, 1], tables.to(device), lens.to(device), scale=scale)
+        return out[:, :, None]
     return paged_attention(query, view[:, 0], view[:, 1], tables, lens, scale=scale)

@@ -6,6 +6,14 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Triton reads this when it is imported: without a GPU, kernels run in its interpreter on CPU tensors.
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
 
 import pytest
 import torch

@@ -1,0 +1,273 @@
+"""Triton kernels on the canonical pool layout ``[blocks, L, 2, H, T, D]`` (one layer's K or V cache is the
+strided view ``[blocks, H, T, D]``; the kernels take strides, so no copy is made).
+
+* :func:`write_kv` — reshape-and-cache: scatter new K/V ``[n, H, D]`` into their slots (``-1`` skips);
+* :func:`paged_decode_attention` — one query token per sequence, GQA (a program serves one KV head and all its
+  query heads), variable lengths, online softmax, split-K over the context (flash-decoding) with a reduce step;
+* :func:`copy_blocks` — block copies for copy-on-write and compaction.
+
+They run natively on a CUDA GPU and, with ``TRITON_INTERPRET=1`` (set before Triton is imported), in Triton's
+interpreter on CPU tensors — how the tests check them against :mod:`memos_ref.attention` on any machine.
+Scores use an elementwise product and a sum instead of ``tl.dot``: a decode query block is 1-8 rows (below
+``tl.dot``'s 16-row minimum), the step is memory-bound anyway, and it avoids the interpreter's bf16 ``tl.dot``
+bug. Every wrapper checks its preconditions and raises a clear error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from memos_ref.errors import ConfigError, DeviceError, DTypeError, ShapeError
+
+__all__ = ["copy_blocks", "paged_decode_attention", "write_kv"]
+
+_NEG = -1.0e30  # a finite "minus infinity": exp(_NEG - m) is 0 and never NaN
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    if key_cache.ndim != 4 or key_cache.shape != value_cache.shape:
+        raise ShapeError(
+            f"key/value caches must both be [num_blocks, kv_heads, block_size, head_dim], got "
+            f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    n, h, t, d = key_cache.shape
+    if not _pow2(t) or not 8 <= t <= 128:
+        raise ConfigError(f"block size must be a power of two in 8-128, got {t}")
+    if not _pow2(d):
+        raise ConfigError(f"head_dim must be a power of two for these kernels, got {d}")
+    if key_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16) or value_cache.dtype != key_cache.dtype:
+        raise DTypeError(
+            f"caches must be float32/float16/bfloat16 and equal, got {key_cache.dtype}/{value_cache.dtype}"
+        )
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ShapeError("the head_dim axis of the caches must be contiguous (stride 1)")
+    return n, h, t, d
+
+
+# ---------------------------------------------------------------------- write_kv
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, slots_ptr, kc_ptr, vc_ptr,
+    s_kn, s_kh, s_vn, s_vh,
+    s_cb, s_ch, s_ct,
+    T: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + i)
+    if slot >= 0:
+        block = slot // T
+        off = slot % T
+        d = tl.arange(0, D)
+        k = tl.load(key_ptr + i * s_kn + h * s_kh + d)
+        v = tl.load(value_ptr + i * s_vn + h * s_vh + d)
+        dst = block * s_cb + h * s_ch + off * s_ct + d
+        tl.store(kc_ptr + dst, k)
+        tl.store(vc_ptr + dst, v)
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> None:
+    """Scatter ``key, value [n, H, D]`` into ``key_cache, value_cache [N, H, T, D]`` at ``slots [n]``
+    (slot = block · T + offset; ``-1`` skips the token)."""
+    _, h, t, d = _check_cache(key_cache, value_cache)
+    if key.ndim != 3 or key.shape != value.shape or tuple(key.shape[1:]) != (h, d):
+        raise ShapeError(f"key/value must both be [tokens, {h}, {d}], got {tuple(key.shape)} and {tuple(value.shape)}")
+    if slots.shape != (key.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
+        raise ShapeError(f"slots must be an integer tensor [{key.shape[0]}], got {tuple(slots.shape)} {slots.dtype}")
+    if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
+        raise DTypeError(f"key/value dtype {key.dtype} does not match the cache's {key_cache.dtype}")
+    if key.device != key_cache.device or slots.device != key_cache.device:
+        raise DeviceError("key, value, slots and caches must be on one device")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ShapeError("key/value must be contiguous along head_dim")
+    if key.shape[0] == 0:
+        return
+    if key_cache.stride() != value_cache.stride():
+        raise ShapeError("key and value caches must have the same strides (two views of one pool)")
+    _write_kv_kernel[(key.shape[0], h)](
+        key, value, slots, key_cache, value_cache,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        T=t, D=d,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------- paged decode attention
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, kc_ptr, vc_ptr, tables_ptr, lens_ptr,
+    acc_ptr, m_ptr, l_ptr,
+    scale,
+    s_qb, s_qh,
+    s_cb, s_ch, s_ct,
+    s_tb, max_blocks,
+    num_splits,
+    G: tl.constexpr, GP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    t = tl.arange(0, T)
+    g_ok = g < G
+    q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :], mask=g_ok[:, None], other=0.0)
+    q = q.to(tl.float32)  # [GP, D]
+    m_i = tl.full((GP,), _NEG, tl.float32)
+    l_i = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((GP, D), tl.float32)
+    for i in range(BLOCKS_PER_SPLIT):
+        idx = s * BLOCKS_PER_SPLIT + i
+        tok0 = idx * T
+        if (tok0 < seq_len) & (idx < max_blocks):
+            block = tl.load(tables_ptr + b * s_tb + idx)
+            ok = (tok0 + t) < seq_len  # [T]
+            base = block * s_cb + h * s_ch + t[:, None] * s_ct + d[None, :]
+            k = tl.load(kc_ptr + base, mask=ok[:, None], other=0.0).to(tl.float32)  # [T, D]
+            v = tl.load(vc_ptr + base, mask=ok[:, None], other=0.0).to(tl.float32)  # [T, D]
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GP, T]
+            scores = tl.where(ok[None, :], scores, _NEG)
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            p = tl.where(ok[None, :], tl.exp(scores - m_new[:, None]), 0.0)  # [GP, T]
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+    row = (b * tl.num_programs(1) + h) * num_splits + s  # partials [B, Hkv, S, GP, ...]
+    tl.store(acc_ptr + (row * GP + g)[:, None] * D + d[None, :], acc)
+    tl.store(m_ptr + row * GP + g, m_i)
+    tl.store(l_ptr + row * GP + g, l_i)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    acc_ptr, m_ptr, l_ptr, out_ptr,
+    s_ob, s_oh,
+    num_splits,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    base = (b * tl.num_programs(1) + h) * num_splits
+    m = tl.full((GP,), _NEG, tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(m_ptr + (base + s) * GP + g))
+    total = tl.zeros((GP,), tl.float32)
+    out = tl.zeros((GP, D), tl.float32)
+    for s in range(num_splits):
+        row = base + s
+        w = tl.exp(tl.load(m_ptr + row * GP + g) - m)
+        total += tl.load(l_ptr + row * GP + g) * w
+        out += tl.load(acc_ptr + (row * GP + g)[:, None] * D + d[None, :]) * w[:, None]
+    out = out / tl.maximum(total, 1e-30)[:, None]
+    dst = out_ptr + b * s_ob + (h * G + g)[:, None] * s_oh + d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    blocks_per_split: int | None = None,
+) -> torch.Tensor:
+    """Decode attention: ``query [B, Hq, D]`` (one token per sequence) over each sequence's ``seq_lens[b]`` cached
+    tokens, found through ``block_tables [B, max_blocks]`` in ``key_cache, value_cache [N, H, T, D]``.
+
+    The context is split into chunks of ``blocks_per_split`` blocks, one program per (sequence, KV head,
+    chunk); a second kernel merges the chunks' partial softmaxes. Returns ``[B, Hq, D]``; a sequence of length
+    0 gets zeros."""
+    _n, h, t, d = _check_cache(key_cache, value_cache)
+    if query.ndim != 3 or query.shape[2] != d:
+        raise ShapeError(f"query must be [batch, q_heads, head_dim={d}], got {tuple(query.shape)}")
+    b, hq, _ = query.shape
+    if hq % h:
+        raise ShapeError(f"query heads ({hq}) must be a multiple of KV heads ({h})")
+    if block_tables.ndim != 2 or block_tables.shape[0] != b or seq_lens.shape != (b,):
+        raise ShapeError(
+            f"block_tables [{b}, max_blocks] and seq_lens [{b}] expected, got {tuple(block_tables.shape)} and "
+            f"{tuple(seq_lens.shape)}"
+        )
+    if query.dtype != key_cache.dtype:
+        raise DTypeError(f"query dtype {query.dtype} does not match the caches' {key_cache.dtype}")
+    if len({query.device, key_cache.device, block_tables.device, seq_lens.device}) != 1:
+        raise DeviceError("query, caches, block tables and lengths must be on one device")
+    if query.stride(-1) != 1:
+        raise ShapeError("query must be contiguous along head_dim")
+    max_blocks = block_tables.shape[1]
+    if blocks_per_split is None:
+        blocks_per_split = max(1, min(max_blocks, 512 // t))  # about 512 tokens per program
+    num_splits = max(1, math.ceil(max_blocks / blocks_per_split))
+    group = hq // h
+    gp = triton.next_power_of_2(group)
+    dev = query.device
+    acc = torch.empty((b, h, num_splits, gp, d), dtype=torch.float32, device=dev)
+    m = torch.empty((b, h, num_splits, gp), dtype=torch.float32, device=dev)
+    l_sum = torch.empty((b, h, num_splits, gp), dtype=torch.float32, device=dev)
+    out = torch.empty_like(query)
+    if b == 0:
+        return out
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = seq_lens.to(torch.int64).contiguous()
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    _decode_split_kernel[(b, h, num_splits)](
+        query, key_cache, value_cache, tables, lens,
+        acc, m, l_sum,
+        scale,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        tables.stride(0), max_blocks,
+        num_splits,
+        G=group, GP=gp, T=t, D=d, BLOCKS_PER_SPLIT=blocks_per_split,
+    )  # fmt: skip
+    _decode_reduce_kernel[(b, h)](acc, m, l_sum, out, out.stride(0), out.stride(1), num_splits, G=group, GP=gp, D=d)
+    return out
+
+
+# ---------------------------------------------------------------------- copy_blocks
+@triton.jit
+def _copy_blocks_kernel(pool_ptr, pairs_ptr, block_numel, CHUNK: tl.constexpr):
+    i = tl.program_id(0)
+    c = tl.program_id(1)
+    src = tl.load(pairs_ptr + 2 * i)
+    dst = tl.load(pairs_ptr + 2 * i + 1)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < block_numel
+    tl.store(pool_ptr + dst * block_numel + offs, tl.load(pool_ptr + src * block_numel + offs, mask=ok), mask=ok)
+
+
+def copy_blocks(pool: torch.Tensor, pairs: torch.Tensor) -> None:
+    """Copy whole blocks ``pool[src] -> pool[dst]`` for every row ``(src, dst)`` of ``pairs [n, 2]`` (a
+    contiguous pool ``[N, ...]``); destinations must be distinct and not also sources."""
+    if not pool.is_contiguous():
+        raise ShapeError("copy_blocks needs a contiguous pool")
+    if pairs.ndim != 2 or pairs.shape[1] != 2:
+        raise ShapeError(f"pairs must be [n, 2] (src, dst), got {tuple(pairs.shape)}")
+    if pairs.numel() == 0:
+        return
+    flat = pairs.to(torch.int64).contiguous()
+    n = pool.shape[0]
+    if int(flat.min()) < 0 or int(flat.max()) >= n:
+        raise ShapeError(f"block ids must be in [0, {n})")
+    dsts = flat[:, 1].tolist()
+    if len(set(dsts)) != len(dsts) or set(dsts) & set(flat[:, 0].tolist()):
+        raise ConfigError("copy_blocks destinations must be distinct and must not be sources")
+    numel = pool[0].numel()
+    chunk = 1024
+    _copy_blocks_kernel[(flat.shape[0], triton.cdiv(numel, chunk))](pool, flat, numel, CHUNK=chunk)

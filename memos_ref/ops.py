@@ -1,0 +1,82 @@
+"""One switch for the attention kernels: the Triton kernels of ``memos_kernels`` or the torch reference.
+
+``MEMOS_REF_KERNELS`` chooses:
+
+* ``auto`` (default): Triton on CUDA tensors when Triton is installed, the reference otherwise;
+* ``reference``: always the torch reference (:mod:`memos_ref.attention`);
+* ``triton``: always Triton (CUDA tensors);
+* ``interpret``: Triton's interpreter on CPU tensors (slow; for tests and learning). It must be chosen before
+  Triton is first imported — this module sets ``TRITON_INTERPRET=1`` itself when it sees ``interpret``.
+
+``PagedCache.attend``, the ``memos_paged`` attention function and the engine all reach the kernels through
+:func:`memos_ref.attention.attend_sequences`, which calls :func:`paged_decode` for decode steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+from memos_ref.errors import BackendUnavailableError, ConfigError
+
+__all__ = ["MODES", "kernel_mode", "paged_decode", "use_kernels"]
+
+MODES = ("auto", "reference", "triton", "interpret")
+
+
+def kernel_mode() -> str:
+    mode = os.environ.get("MEMOS_REF_KERNELS", "auto")
+    if mode not in MODES:
+        raise ConfigError(f"MEMOS_REF_KERNELS must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+@functools.cache
+def _triton() -> Any:
+    if kernel_mode() == "interpret":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        from memos_kernels import triton_paged
+    except ImportError as exc:
+        raise BackendUnavailableError("Triton is not installed: pip install 'memos-ref[kernels]'") from exc
+    return triton_paged
+
+
+def use_kernels(device: torch.device) -> bool:
+    """Whether attention on ``device`` goes through the Triton kernels under the current mode."""
+    mode = kernel_mode()
+    if mode == "reference":
+        return False
+    if mode == "interpret":
+        return True
+    if mode == "triton":
+        if device.type != "cuda":
+            raise ConfigError("MEMOS_REF_KERNELS=triton needs CUDA tensors; use interpret on the CPU")
+        return True
+    if device.type != "cuda":
+        return False
+    try:
+        _triton()
+    except BackendUnavailableError:
+        return False
+    return True
+
+
+def paged_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Decode attention ``query [B, Hq, D]`` over paged caches ``[N, H, T, D]``: the kernel or the reference."""
+    if use_kernels(query.device):
+        return _triton().paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=scale)
+    from memos_ref.attention import paged_attention
+
+    return paged_attention(query[:, :, None], key_cache, value_cache, block_tables, seq_lens, scale=scale)[:, :, 0]

@@ -1,0 +1,141 @@
+"""Triton kernels against the reference (memos_ref.attention), in Triton's interpreter on the CPU (natively on a
+GPU when there is one). Outputs are poisoned beforehand so that anything left unwritten shows."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+try:
+    from memos_kernels import triton_paged as tk
+except ImportError:  # pragma: no cover - triton is part of the dev install
+    if os.environ.get("CI"):
+        raise
+    pytest.skip("triton is not installed (pip install 'memos-ref[kernels]')", allow_module_level=True)
+
+from memos_ref.attention import gather_kv, paged_attention
+from memos_ref.errors import ConfigError, DTypeError, ShapeError
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_case(seed, lens, h=2, group=4, t=16, d=32, blocks=None, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    need = sum(-(-n // t) for n in lens)
+    n = blocks or need + 3
+    pool = torch.randn(n, 2, h, t, d, generator=g).to(dtype)  # one layer: [N, 2, H, T, D]
+    perm = torch.randperm(n, generator=g).tolist()
+    widest = max(1, max(-(-x // t) for x in lens))
+    tables = torch.full((len(lens), widest), -1, dtype=torch.long)
+    for i, x in enumerate(lens):
+        k = -(-x // t)
+        tables[i, :k] = torch.tensor(perm[:k])
+        perm = perm[k:]
+    q = torch.randn(len(lens), h * group, d, generator=g).to(dtype)
+    return q.to(DEVICE), pool.to(DEVICE), tables.to(DEVICE), torch.tensor(lens, device=DEVICE)
+
+
+@pytest.mark.parametrize(
+    "lens,group,t,split",
+    [
+        ([1], 1, 16, None),
+        ([17, 16, 33], 4, 16, None),
+        ([200, 5, 64], 8, 8, 3),  # many splits, GQA 8
+        ([0, 40], 4, 32, 1),  # an empty sequence, one block per split
+        ([130], 1, 128, 1),
+        ([77, 1], 2, 64, 2),
+    ],
+)
+def test_paged_decode_matches_reference(lens, group, t, split):
+    q, pool, tables, seq_lens = make_case(len(lens) + t, lens, group=group, t=t)
+    got = tk.paged_decode_attention(q, pool[:, 0], pool[:, 1], tables, seq_lens, blocks_per_split=split)
+    want = paged_attention(q[:, :, None].cpu(), pool[:, 0].cpu(), pool[:, 1].cpu(), tables.cpu(), seq_lens.cpu())
+    assert torch.allclose(got.cpu(), want[:, :, 0], atol=1e-5, rtol=1e-4)
+    assert not torch.isnan(got).any()
+
+
+def test_paged_decode_fp16():
+    q, pool, tables, seq_lens = make_case(3, [45, 9], dtype=torch.float16)
+    got = tk.paged_decode_attention(q, pool[:, 0], pool[:, 1], tables, seq_lens).float().cpu()
+    want = paged_attention(
+        q.float()[:, :, None].cpu(), pool[:, 0].float().cpu(), pool[:, 1].float().cpu(), tables.cpu(), seq_lens.cpu()
+    )
+    assert torch.allclose(got, want[:, :, 0], atol=2e-3)
+
+
+@pytest.mark.parametrize("t", [8, 32])
+def test_write_kv_scatters_and_skips(t):
+    g = torch.Generator().manual_seed(t)
+    pool = torch.full((6, 2, 2, t, 16), float("nan"))  # poisoned
+    key, value = torch.randn(5, 2, 16, generator=g), torch.randn(5, 2, 16, generator=g)
+    slots = torch.tensor([0, t + 3, -1, 5 * t + t - 1, 2 * t])
+    want = pool.clone()
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want[s // t, 0, :, s % t] = key[i]
+            want[s // t, 1, :, s % t] = value[i]
+    pool = pool.to(DEVICE)
+    tk.write_kv(key.to(DEVICE), value.to(DEVICE), slots.to(DEVICE), pool[:, 0], pool[:, 1])  # strided views
+    assert torch.equal(pool.cpu().nan_to_num(123.0), want.nan_to_num(123.0))  # written where asked, nowhere else
+
+
+def test_write_kv_into_the_real_pool_layout():
+    from memos_ref.paged import PagedKV
+    from memos_ref.spec import KVSpec
+
+    spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
+    kv = PagedKV(spec, 8, device=DEVICE)
+    seq = kv.new_sequence()
+    slots = seq.reserve(20)
+    key, value = torch.randn(20, 2, 16, device=DEVICE), torch.randn(20, 2, 16, device=DEVICE)
+    view = kv.pool.layer_view(1)  # [N, 2, H, T, D], strided: the layer axis is skipped
+    tk.write_kv(key, value, slots, view[:, 0], view[:, 1])
+    seq.layer_tokens = [20, 20, 20]
+    k, v = seq.to_dense(1)
+    assert torch.equal(k, key.transpose(0, 1)) and torch.equal(v, value.transpose(0, 1))
+
+
+def test_copy_blocks():
+    pool = torch.randn(6, 3, 2, 2, 8, 16, device=DEVICE)
+    before = pool.clone()
+    tk.copy_blocks(pool, torch.tensor([[0, 3], [2, 5]], device=DEVICE))
+    assert torch.equal(pool[3], before[0]) and torch.equal(pool[5], before[2]) and torch.equal(pool[1], before[1])
+    with pytest.raises(ConfigError, match="distinct"):
+        tk.copy_blocks(pool, torch.tensor([[0, 3], [3, 4]], device=DEVICE))
+
+
+def test_preconditions_are_checked():
+    q, pool, tables, seq_lens = make_case(0, [10])
+    with pytest.raises(ConfigError, match="power of two"):
+        tk.paged_decode_attention(q, pool[:, 0, :, :12], pool[:, 1, :, :12], tables, seq_lens)
+    with pytest.raises(ShapeError, match="multiple of KV heads"):
+        tk.paged_decode_attention(q[:, :3], pool[:, 0], pool[:, 1], tables, seq_lens)
+    with pytest.raises(DTypeError, match="does not match"):
+        tk.paged_decode_attention(q.half(), pool[:, 0], pool[:, 1], tables, seq_lens)
+    with pytest.raises(ShapeError, match="seq_lens"):
+        tk.paged_decode_attention(q, pool[:, 0], pool[:, 1], tables, seq_lens[:0])
+    k, _v = gather_kv(pool[:, 0].cpu(), pool[:, 1].cpu(), tables[0].cpu(), 10)
+    assert k.shape == (2, 10, 32)
+
+
+def test_generation_through_the_kernels_equals_the_reference(monkeypatch):
+    """The package's forward over a PagedCache: decode steps through the Triton kernel (interpreter here)
+    give the same tokens as the reference."""
+    from memos_ref import ops
+    from memos_ref.hf import PagedCache
+    from memos_ref.model import load_model
+    from memos_ref.paged import PagedKV
+
+    model = load_model()
+    ids = torch.tensor([list(b"def quantize(x, scale):\n    return ")])
+    outs = {}
+    for mode in ("reference", "interpret"):
+        monkeypatch.setenv("MEMOS_REF_KERNELS", mode)
+        assert ops.use_kernels(torch.device("cpu")) == (mode == "interpret")
+        outs[mode] = model.generate(ids, 12, PagedCache(PagedKV(model.kv_spec(block_size=16), 16)))
+    assert torch.equal(outs["reference"], outs["interpret"])
+    monkeypatch.setenv("MEMOS_REF_KERNELS", "sideways")
+    with pytest.raises(ConfigError, match="MEMOS_REF_KERNELS"):
+        ops.kernel_mode()
