@@ -4,6 +4,8 @@ strided view ``[blocks, H, T, D]``; the kernels take strides, so no copy is made
 * :func:`write_kv` — reshape-and-cache: scatter new K/V ``[n, H, D]`` into their slots (``-1`` skips);
 * :func:`paged_decode_attention` — one query token per sequence, GQA (a program serves one KV head and all its
   query heads), variable lengths, online softmax, split-K over the context (flash-decoding) with a reduce step;
+  dequantizing variants for the int8 and fp8 blocks of the quantized pool;
+* :func:`paged_prefill_attention` — a chunk of queries per sequence against its cached prefix and itself;
 * :func:`copy_blocks` — block copies for copy-on-write and compaction.
 
 They run natively on a CUDA GPU and, with ``TRITON_INTERPRET=1`` (set before Triton is imported), in Triton's
@@ -23,7 +25,7 @@ import triton.language as tl
 
 from memos_ref.errors import ConfigError, DeviceError, DTypeError, ShapeError
 
-__all__ = ["copy_blocks", "paged_decode_attention", "write_kv"]
+__all__ = ["QUANT_MODES", "copy_blocks", "paged_decode_attention", "paged_prefill_attention", "write_kv"]
 
 _NEG = -1.0e30  # a finite "minus infinity": exp(_NEG - m) is 0 and never NaN
 
@@ -32,7 +34,7 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int, int]:
+def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, quant: str = "none") -> tuple[int, int, int, int]:
     if key_cache.ndim != 4 or key_cache.shape != value_cache.shape:
         raise ShapeError(
             f"key/value caches must both be [num_blocks, kv_heads, block_size, head_dim], got "
@@ -43,9 +45,10 @@ def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[in
         raise ConfigError(f"block size must be a power of two in 8-128, got {t}")
     if not _pow2(d):
         raise ConfigError(f"head_dim must be a power of two for these kernels, got {d}")
-    if key_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16) or value_cache.dtype != key_cache.dtype:
+    allowed = {"none": (torch.float32, torch.float16, torch.bfloat16), "int8": (torch.int8,), "fp8": (torch.uint8,)}
+    if key_cache.dtype not in allowed[quant] or value_cache.dtype != key_cache.dtype:
         raise DTypeError(
-            f"caches must be float32/float16/bfloat16 and equal, got {key_cache.dtype}/{value_cache.dtype}"
+            f"caches for quant={quant!r} must be {allowed[quant]} and equal, got {key_cache.dtype}/{value_cache.dtype}"
         )
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ShapeError("the head_dim axis of the caches must be contiguous (stride 1)")
@@ -107,12 +110,15 @@ def write_kv(
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, tables_ptr, lens_ptr,
     acc_ptr, m_ptr, l_ptr,
+    ks_ptr, vs_ptr,
     scale,
     s_qb, s_qh,
     s_cb, s_ch, s_ct,
+    s_sb, s_sh, s_st,
     s_tb, max_blocks,
     num_splits,
     G: tl.constexpr, GP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+    QUANT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -134,8 +140,21 @@ def _decode_split_kernel(
             block = tl.load(tables_ptr + b * s_tb + idx)
             ok = (tok0 + t) < seq_len  # [T]
             base = block * s_cb + h * s_ch + t[:, None] * s_ct + d[None, :]
-            k = tl.load(kc_ptr + base, mask=ok[:, None], other=0.0).to(tl.float32)  # [T, D]
-            v = tl.load(vc_ptr + base, mask=ok[:, None], other=0.0).to(tl.float32)  # [T, D]
+            if QUANT == 0:  # float caches
+                k = tl.load(kc_ptr + base, mask=ok[:, None], other=0.0).to(tl.float32)  # [T, D]
+                v = tl.load(vc_ptr + base, mask=ok[:, None], other=0.0).to(tl.float32)  # [T, D]
+            elif QUANT == 1:  # int8 codes, an fp16 scale per (head, token)
+                sc = block * s_sb + h * s_sh + t * s_st
+                k_s = tl.load(ks_ptr + sc, mask=ok, other=0.0).to(tl.float32)
+                v_s = tl.load(vs_ptr + sc, mask=ok, other=0.0).to(tl.float32)
+                k = tl.load(kc_ptr + base, mask=ok[:, None], other=0).to(tl.float32) * k_s[:, None]
+                v = tl.load(vc_ptr + base, mask=ok[:, None], other=0).to(tl.float32) * v_s[:, None]
+            else:  # fp8 e4m3 codes stored as bytes, an fp32 scale per (block, head)
+                k_s = tl.load(ks_ptr + block * s_sb + h * s_sh)
+                v_s = tl.load(vs_ptr + block * s_sb + h * s_sh)
+                k = tl.load(kc_ptr + base, mask=ok[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                v = tl.load(vc_ptr + base, mask=ok[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                k, v = k * k_s, v * v_s
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GP, T]
             scores = tl.where(ok[None, :], scores, _NEG)
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -177,6 +196,9 @@ def _decode_reduce_kernel(
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
 
 
+QUANT_MODES = {"none": 0, "int8": 1, "fp8": 2}
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -186,14 +208,37 @@ def paged_decode_attention(
     *,
     scale: float | None = None,
     blocks_per_split: int | None = None,
+    quant: str = "none",
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention: ``query [B, Hq, D]`` (one token per sequence) over each sequence's ``seq_lens[b]`` cached
     tokens, found through ``block_tables [B, max_blocks]`` in ``key_cache, value_cache [N, H, T, D]``.
 
     The context is split into chunks of ``blocks_per_split`` blocks, one program per (sequence, KV head,
     chunk); a second kernel merges the chunks' partial softmaxes. Returns ``[B, Hq, D]``; a sequence of length
-    0 gets zeros."""
-    _n, h, t, d = _check_cache(key_cache, value_cache)
+    0 gets zeros.
+
+    Dequantizing variants read the quantized pool's payload (:class:`memos_ref.quant.pool.QuantizedBlockPool`):
+    ``quant="int8"`` — int8 codes with fp16 scales ``[N, H, T]`` per (head, token); ``quant="fp8"`` — e4m3
+    codes stored as uint8 with fp32 scales ``[N, H]`` per (block, head)."""
+    if quant not in QUANT_MODES:
+        raise ConfigError(f"quant must be one of {sorted(QUANT_MODES)}, got {quant!r}")
+    _n, h, t, d = _check_cache(key_cache, value_cache, quant)
+    if quant != "none":
+        want = 3 if quant == "int8" else 2
+        if key_scale is None or value_scale is None or key_scale.ndim != want or value_scale.shape != key_scale.shape:
+            raise ShapeError(f"quant={quant!r} needs key_scale and value_scale of {want} dimensions")
+        if key_scale.stride() != value_scale.stride():
+            raise ShapeError("key and value scales must have the same strides (two views of one payload)")
+    else:
+        key_scale = value_scale = key_cache  # unused
+    if quant == "int8":
+        s_sb, s_sh, s_st = key_scale.stride()
+    elif quant == "fp8":
+        (s_sb, s_sh), s_st = key_scale.stride(), 0
+    else:
+        s_sb = s_sh = s_st = 0
     if query.ndim != 3 or query.shape[2] != d:
         raise ShapeError(f"query must be [batch, q_heads, head_dim={d}], got {tuple(query.shape)}")
     b, hq, _ = query.shape
@@ -204,8 +249,10 @@ def paged_decode_attention(
             f"block_tables [{b}, max_blocks] and seq_lens [{b}] expected, got {tuple(block_tables.shape)} and "
             f"{tuple(seq_lens.shape)}"
         )
-    if query.dtype != key_cache.dtype:
+    if quant == "none" and query.dtype != key_cache.dtype:
         raise DTypeError(f"query dtype {query.dtype} does not match the caches' {key_cache.dtype}")
+    if not query.dtype.is_floating_point:
+        raise DTypeError(f"query must be floating point, got {query.dtype}")
     if len({query.device, key_cache.device, block_tables.device, seq_lens.device}) != 1:
         raise DeviceError("query, caches, block tables and lengths must be on one device")
     if query.stride(-1) != 1:
@@ -229,14 +276,61 @@ def paged_decode_attention(
     _decode_split_kernel[(b, h, num_splits)](
         query, key_cache, value_cache, tables, lens,
         acc, m, l_sum,
+        key_scale, value_scale,
         scale,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        s_sb, s_sh, s_st,
         tables.stride(0), max_blocks,
         num_splits,
-        G=group, GP=gp, T=t, D=d, BLOCKS_PER_SPLIT=blocks_per_split,
+        G=group, GP=gp, T=t, D=d, BLOCKS_PER_SPLIT=blocks_per_split, QUANT=QUANT_MODES[quant],
     )  # fmt: skip
     _decode_reduce_kernel[(b, h)](acc, m, l_sum, out, out.stride(0), out.stride(1), num_splits, G=group, GP=gp, D=d)
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    **quant: object,
+) -> torch.Tensor:
+    """Chunked-prefill attention: ``query [B, Hq, Q, D]``, sequence b's first ``query_lens[b]`` rows being its
+    newest tokens (already written to the cache), each attending causally over its cached prefix and the chunk
+    up to itself. Returns ``[B, Hq, Q, D]`` with zeros past ``query_lens``.
+
+    Every (sequence, query position) becomes a decode row whose length stops at that position, run by the
+    split-K decode kernel — simple and exact; a tiled kernel that shares K/V loads across the chunk's queries
+    is the faster form."""
+    b, _, q, _ = query.shape
+    if query_lens.shape != (b,) or seq_lens.shape != (b,):
+        raise ShapeError(
+            f"seq_lens and query_lens must be [{b}], got {tuple(seq_lens.shape)}, {tuple(query_lens.shape)}"
+        )
+    rows, lens, src = [], [], []
+    for i in range(b):
+        n, nq = int(seq_lens[i]), int(query_lens[i])
+        if nq > q or nq > n:
+            raise ShapeError(f"sequence {i}: {nq} queries but {n} tokens (and Q={q})")
+        for j in range(nq):
+            rows.append(i)
+            lens.append(n - nq + j + 1)
+            src.append((i, j))
+    out = torch.zeros_like(query)
+    if not rows:
+        return out
+    idx = torch.tensor(rows, device=query.device)
+    flat_q = torch.stack([query[i, :, j] for i, j in src])  # [R, Hq, D]
+    res = paged_decode_attention(
+        flat_q, key_cache, value_cache, block_tables[idx], torch.tensor(lens, device=query.device), scale=scale, **quant
+    )
+    for r, (i, j) in enumerate(src):
+        out[i, :, j] = res[r]
     return out
 
 

@@ -139,3 +139,52 @@ def test_generation_through_the_kernels_equals_the_reference(monkeypatch):
     monkeypatch.setenv("MEMOS_REF_KERNELS", "sideways")
     with pytest.raises(ConfigError, match="MEMOS_REF_KERNELS"):
         ops.kernel_mode()
+
+
+@pytest.mark.parametrize("lens,qlens,t", [([20, 5], [4, 5], 16), ([70], [33], 8), ([16, 1], [0, 1], 32)])
+def test_paged_prefill_matches_reference(lens, qlens, t):
+    q4, pool, tables, seq_lens = make_case(sum(lens), lens, t=t)
+    g = torch.Generator().manual_seed(7)
+    query = torch.randn(len(lens), q4.shape[1], max(qlens), 32, generator=g).to(DEVICE)
+    qlens_t = torch.tensor(qlens, device=DEVICE)
+    got = tk.paged_prefill_attention(query, pool[:, 0], pool[:, 1], tables, seq_lens, qlens_t)
+    want = paged_attention(query.cpu(), pool[:, 0].cpu(), pool[:, 1].cpu(), tables.cpu(), seq_lens.cpu(),
+                           query_lens=qlens_t.cpu())  # fmt: skip
+    assert torch.allclose(got.cpu(), want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_dequantizing_decode_reads_the_quantized_pool(scheme):
+    """The kernel reads the quantized pool's payload directly; the oracle is the reference attention over the
+    pool's own dequantized blocks."""
+    from memos_ref.paged import PagedKV
+    from memos_ref.quant import FP8E4M3, PerTokenInt8
+    from memos_ref.spec import KVSpec
+
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32)
+    kv = PagedKV(spec, 24, quant=PerTokenInt8() if scheme == "int8" else FP8E4M3(), prefix_caching=False)
+    g = torch.Generator().manual_seed(1)
+    seqs = []
+    for n in (37, 5, 64):
+        seq = kv.new_sequence()
+        for layer in range(2):
+            x = torch.randn(2, n, 32, generator=g) * 3
+            seq.append(layer, x, x.flip(-1))
+        seqs.append(seq)
+    layer = 1
+    p = kv.pool.payload
+    codes = p["codes"][:, layer]  # [N, 2, H, T, D]
+    scales = p["scale"][:, layer]  # int8: [N, 2, H, T]; fp8: [N, 2, H]
+    tables = torch.full((3, 4), -1, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tables[i, : s.num_blocks] = torch.tensor(s.block_table)
+    lens = torch.tensor([s.num_tokens for s in seqs])
+    q = torch.randn(3, 8, 32, generator=g)
+    got = tk.paged_decode_attention(
+        q, codes[:, 0], codes[:, 1], tables, lens, quant=scheme, key_scale=scales[:, 0], value_scale=scales[:, 1]
+    )
+    blocks = kv.pool.read_blocks(torch.arange(24), layer)  # dequantized [N, 2, H, T, D]
+    want = paged_attention(q[:, :, None], blocks[:, 0], blocks[:, 1], tables, lens)[:, :, 0]
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ShapeError, match="needs key_scale"):
+        tk.paged_decode_attention(q, codes[:, 0], codes[:, 1], tables, lens, quant=scheme)
