@@ -2,6 +2,7 @@
 strided view ``[blocks, H, T, D]``; the kernels take strides, so no copy is made).
 
 * :func:`write_kv` — reshape-and-cache: scatter new K/V ``[n, H, D]`` into their slots (``-1`` skips);
+  :func:`write_kv_int8` quantizes on the way (int8 per token and head, fp16 scale);
 * :func:`paged_decode_attention` — one query token per sequence, GQA (a program serves one KV head and all its
   query heads), variable lengths, online softmax, split-K over the context (flash-decoding) with a reduce step;
   dequantizing variants for the int8 and fp8 blocks of the quantized pool;
@@ -25,7 +26,14 @@ import triton.language as tl
 
 from memos_ref.errors import ConfigError, DeviceError, DTypeError, ShapeError
 
-__all__ = ["QUANT_MODES", "copy_blocks", "paged_decode_attention", "paged_prefill_attention", "write_kv"]
+__all__ = [
+    "QUANT_MODES",
+    "copy_blocks",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "write_kv",
+    "write_kv_int8",
+]
 
 _NEG = -1.0e30  # a finite "minus infinity": exp(_NEG - m) is 0 and never NaN
 
@@ -101,6 +109,71 @@ def write_kv(
         key, value, slots, key_cache, value_cache,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        T=t, D=d,
+    )  # fmt: skip
+
+
+@triton.jit
+def _write_kv_int8_kernel(
+    key_ptr, value_ptr, slots_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+    s_kn, s_kh, s_vn, s_vh,
+    s_cb, s_ch, s_ct,
+    s_sb, s_sh, s_st,
+    T: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + i)
+    if slot >= 0:
+        block = slot // T
+        off = slot % T
+        d = tl.arange(0, D)
+        dst = block * s_cb + h * s_ch + off * s_ct + d
+        sdst = block * s_sb + h * s_sh + off * s_st
+        for which in tl.static_range(2):
+            if which == 0:
+                x = tl.load(key_ptr + i * s_kn + h * s_kh + d).to(tl.float32)
+            else:
+                x = tl.load(value_ptr + i * s_vn + h * s_vh + d).to(tl.float32)
+            # the scale exactly as memos_ref.quant.PerTokenInt8: absmax / 127, rounded to fp16, floored
+            s16 = tl.maximum(tl.max(tl.abs(x), axis=0) / 127.0, 1e-8).to(tl.float16)
+            s32 = tl.maximum(s16.to(tl.float32), 5.960464477539063e-08)
+            y = x / s32
+            q = tl.minimum(tl.maximum(tl.floor(y + 0.5), -127.0), 127.0).to(tl.int8)
+            if which == 0:
+                tl.store(kc_ptr + dst, q)
+                tl.store(ks_ptr + sdst, s32.to(tl.float16))
+            else:
+                tl.store(vc_ptr + dst, q)
+                tl.store(vs_ptr + sdst, s32.to(tl.float16))
+
+
+def write_kv_int8(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+    key_codes: torch.Tensor,
+    value_codes: torch.Tensor,
+    key_scale: torch.Tensor,
+    value_scale: torch.Tensor,
+) -> None:
+    """Reshape-and-cache with int8 quantization on write (per token and head, fp16 scale): the streaming int8
+    path of the quantized pool. ``*_codes [N, H, T, D]`` int8, ``*_scale [N, H, T]`` fp16. Ties round half away
+    from zero (torch rounds half to even: codes can differ by one at exact halves)."""
+    _, h, t, d = _check_cache(key_codes, value_codes, "int8")
+    if key.ndim != 3 or key.shape != value.shape or tuple(key.shape[1:]) != (h, d):
+        raise ShapeError(f"key/value must both be [tokens, {h}, {d}], got {tuple(key.shape)} and {tuple(value.shape)}")
+    if key_scale.dtype != torch.float16 or key_scale.ndim != 3 or key_scale.stride() != value_scale.stride():
+        raise DTypeError("scales must be fp16 [N, H, T] views of one payload")
+    if slots.shape != (key.shape[0],):
+        raise ShapeError(f"slots must be [{key.shape[0]}], got {tuple(slots.shape)}")
+    if key.shape[0] == 0:
+        return
+    _write_kv_int8_kernel[(key.shape[0], h)](
+        key, value, slots, key_codes, value_codes, key_scale, value_scale,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_codes.stride(0), key_codes.stride(1), key_codes.stride(2),
+        key_scale.stride(0), key_scale.stride(1), key_scale.stride(2),
         T=t, D=d,
     )  # fmt: skip
 
