@@ -210,3 +210,18 @@ def test_write_kv_int8_matches_the_quantized_pool():
     assert torch.equal(p["scale"], r["scale"])  # the scales are bit-identical
     diff = (p["codes"].int() - r["codes"].int()).abs()
     assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01  # only exact .5 ties may differ
+
+
+def test_kernel_benchmark_quick_json_contract():
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "memos_kernels.bench", "--quick", "--json"], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert set(report) >= {"bench", "version", "machine", "config", "results", "summary"}
+    assert {"decode_bw_fraction_of_copy", "paged_over_contiguous_sdpa_time", "copy_gbps"} <= set(report["summary"])
+    assert all(r["kv_bytes"] > 0 and r["paged_ms"] > 0 for r in report["results"])
