@@ -2,7 +2,8 @@
 strided view ``[blocks, H, T, D]``; the kernels take strides, so no copy is made).
 
 * :func:`write_kv` — reshape-and-cache: scatter new K/V ``[n, H, D]`` into their slots (``-1`` skips);
-  :func:`write_kv_int8` quantizes on the way (int8 per token and head, fp16 scale);
+  :func:`write_kv_int8` and :func:`write_kv_fp8` quantize on the way (int8 per token and head with an fp16
+  scale; fp8 e4m3 with the block's per-head scale);
 * :func:`paged_decode_attention` — one query token per sequence, GQA (a program serves one KV head and all its
   query heads), variable lengths, online softmax, split-K over the context (flash-decoding) with a reduce step;
   dequantizing variants for the int8 and fp8 blocks of the quantized pool;
@@ -32,6 +33,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "write_kv",
+    "write_kv_fp8",
     "write_kv_int8",
 ]
 
@@ -174,6 +176,62 @@ def write_kv_int8(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_codes.stride(0), key_codes.stride(1), key_codes.stride(2),
         key_scale.stride(0), key_scale.stride(1), key_scale.stride(2),
+        T=t, D=d,
+    )  # fmt: skip
+
+
+@triton.jit
+def _write_kv_fp8_kernel(
+    key_ptr, value_ptr, slots_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+    s_kn, s_kh, s_vn, s_vh,
+    s_cb, s_ch, s_ct,
+    s_sb, s_sh,
+    T: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + i)
+    if slot >= 0:
+        block = slot // T
+        off = slot % T
+        d = tl.arange(0, D)
+        dst = block * s_cb + h * s_ch + off * s_ct + d
+        k_s = tl.load(ks_ptr + block * s_sb + h * s_sh)
+        v_s = tl.load(vs_ptr + block * s_sb + h * s_sh)
+        k = tl.load(key_ptr + i * s_kn + h * s_kh + d).to(tl.float32) / k_s
+        v = tl.load(value_ptr + i * s_vn + h * s_vh + d).to(tl.float32) / v_s
+        k = tl.minimum(tl.maximum(k, -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        tl.store(kc_ptr + dst, k.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+        tl.store(vc_ptr + dst, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+
+
+def write_kv_fp8(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+    key_codes: torch.Tensor,
+    value_codes: torch.Tensor,
+    key_scale: torch.Tensor,
+    value_scale: torch.Tensor,
+) -> None:
+    """Reshape-and-cache into fp8 e4m3 blocks (codes as uint8 ``[N, H, T, D]``) with the per-(block, head)
+    scales ``[N, H]`` fp32 already in place. The caller grows a scale, and re-encodes its block, before a token
+    that needs more range is written (the quantized pool does): the kernel only encodes, saturating at ±448."""
+    _, h, t, d = _check_cache(key_codes, value_codes, "fp8")
+    if key.ndim != 3 or key.shape != value.shape or tuple(key.shape[1:]) != (h, d):
+        raise ShapeError(f"key/value must both be [tokens, {h}, {d}], got {tuple(key.shape)} and {tuple(value.shape)}")
+    if key_scale.dtype != torch.float32 or key_scale.ndim != 2 or key_scale.stride() != value_scale.stride():
+        raise DTypeError("scales must be fp32 [N, H] views of one payload")
+    if slots.shape != (key.shape[0],):
+        raise ShapeError(f"slots must be [{key.shape[0]}], got {tuple(slots.shape)}")
+    if key.shape[0] == 0:
+        return
+    _write_kv_fp8_kernel[(key.shape[0], h)](
+        key, value, slots, key_codes, value_codes, key_scale, value_scale,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_codes.stride(0), key_codes.stride(1), key_codes.stride(2),
+        key_scale.stride(0), key_scale.stride(1),
         T=t, D=d,
     )  # fmt: skip
 
@@ -340,7 +398,7 @@ def paged_decode_attention(
     acc = torch.empty((b, h, num_splits, gp, d), dtype=torch.float32, device=dev)
     m = torch.empty((b, h, num_splits, gp), dtype=torch.float32, device=dev)
     l_sum = torch.empty((b, h, num_splits, gp), dtype=torch.float32, device=dev)
-    out = torch.empty_like(query)
+    out = torch.full_like(query, float("nan"))  # poisoned: a row the kernels failed to write shows as NaN
     if b == 0:
         return out
     tables = block_tables.to(torch.int64).contiguous()
