@@ -65,6 +65,29 @@ def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, quant: str 
     return n, h, t, d
 
 
+def _check_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    quant: str,
+) -> tuple[int, int, int]:
+    """Shared checks of the write kernels; returns (H, T, D)."""
+    _, h, t, d = _check_cache(key_cache, value_cache, quant)
+    if key.ndim != 3 or key.shape != value.shape or tuple(key.shape[1:]) != (h, d):
+        raise ShapeError(f"key/value must both be [tokens, {h}, {d}], got {tuple(key.shape)} and {tuple(value.shape)}")
+    if slots.shape != (key.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
+        raise ShapeError(f"slots must be an integer tensor [{key.shape[0]}], got {tuple(slots.shape)} {slots.dtype}")
+    if key.device != key_cache.device or slots.device != key_cache.device:
+        raise DeviceError("key, value, slots and caches must be on one device")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ShapeError("key/value must be contiguous along head_dim")
+    if key_cache.stride() != value_cache.stride():
+        raise ShapeError("key and value caches must have the same strides (two views of one pool)")
+    return h, t, d
+
+
 # ---------------------------------------------------------------------- write_kv
 @triton.jit
 def _write_kv_kernel(
@@ -92,21 +115,11 @@ def write_kv(
 ) -> None:
     """Scatter ``key, value [n, H, D]`` into ``key_cache, value_cache [N, H, T, D]`` at ``slots [n]``
     (slot = block · T + offset; ``-1`` skips the token)."""
-    _, h, t, d = _check_cache(key_cache, value_cache)
-    if key.ndim != 3 or key.shape != value.shape or tuple(key.shape[1:]) != (h, d):
-        raise ShapeError(f"key/value must both be [tokens, {h}, {d}], got {tuple(key.shape)} and {tuple(value.shape)}")
-    if slots.shape != (key.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
-        raise ShapeError(f"slots must be an integer tensor [{key.shape[0]}], got {tuple(slots.shape)} {slots.dtype}")
+    h, t, d = _check_write(key, value, slots, key_cache, value_cache, "none")
     if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
         raise DTypeError(f"key/value dtype {key.dtype} does not match the cache's {key_cache.dtype}")
-    if key.device != key_cache.device or slots.device != key_cache.device:
-        raise DeviceError("key, value, slots and caches must be on one device")
-    if key.stride(-1) != 1 or value.stride(-1) != 1:
-        raise ShapeError("key/value must be contiguous along head_dim")
     if key.shape[0] == 0:
         return
-    if key_cache.stride() != value_cache.stride():
-        raise ShapeError("key and value caches must have the same strides (two views of one pool)")
     _write_kv_kernel[(key.shape[0], h)](
         key, value, slots, key_cache, value_cache,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -162,13 +175,9 @@ def write_kv_int8(
     """Reshape-and-cache with int8 quantization on write (per token and head, fp16 scale): the streaming int8
     path of the quantized pool. ``*_codes [N, H, T, D]`` int8, ``*_scale [N, H, T]`` fp16. Ties round half away
     from zero (torch rounds half to even: codes can differ by one at exact halves)."""
-    _, h, t, d = _check_cache(key_codes, value_codes, "int8")
-    if key.ndim != 3 or key.shape != value.shape or tuple(key.shape[1:]) != (h, d):
-        raise ShapeError(f"key/value must both be [tokens, {h}, {d}], got {tuple(key.shape)} and {tuple(value.shape)}")
+    h, t, d = _check_write(key, value, slots, key_codes, value_codes, "int8")
     if key_scale.dtype != torch.float16 or key_scale.ndim != 3 or key_scale.stride() != value_scale.stride():
         raise DTypeError("scales must be fp16 [N, H, T] views of one payload")
-    if slots.shape != (key.shape[0],):
-        raise ShapeError(f"slots must be [{key.shape[0]}], got {tuple(slots.shape)}")
     if key.shape[0] == 0:
         return
     _write_kv_int8_kernel[(key.shape[0], h)](
@@ -218,13 +227,9 @@ def write_kv_fp8(
     """Reshape-and-cache into fp8 e4m3 blocks (codes as uint8 ``[N, H, T, D]``) with the per-(block, head)
     scales ``[N, H]`` fp32 already in place. The caller grows a scale, and re-encodes its block, before a token
     that needs more range is written (the quantized pool does): the kernel only encodes, saturating at ±448."""
-    _, h, t, d = _check_cache(key_codes, value_codes, "fp8")
-    if key.ndim != 3 or key.shape != value.shape or tuple(key.shape[1:]) != (h, d):
-        raise ShapeError(f"key/value must both be [tokens, {h}, {d}], got {tuple(key.shape)} and {tuple(value.shape)}")
+    h, t, d = _check_write(key, value, slots, key_codes, value_codes, "fp8")
     if key_scale.dtype != torch.float32 or key_scale.ndim != 2 or key_scale.stride() != value_scale.stride():
         raise DTypeError("scales must be fp32 [N, H] views of one payload")
-    if slots.shape != (key.shape[0],):
-        raise ShapeError(f"slots must be [{key.shape[0]}], got {tuple(slots.shape)}")
     if key.shape[0] == 0:
         return
     _write_kv_fp8_kernel[(key.shape[0], h)](

@@ -65,19 +65,27 @@ __global__ void paged_decode_kernel(const T* __restrict__ query, const T* __rest
 
 }  // namespace memos
 
-// Host launcher with plain pointers (no torch headers), so the compile test needs only nvcc.
+// Host launchers with plain pointers (no torch headers), so the compile test needs only nvcc.
+template <typename T>
+static int launch(const T* query, const T* key_cache, const T* value_cache, const int64_t* block_tables,
+                  const int64_t* seq_lens, T* out, int batch, int q_heads, int kv_heads, int head_dim, int block_size,
+                  int max_blocks, int64_t s_blk, int64_t s_head, int64_t s_tok, float scale, cudaStream_t stream) {
+  if (head_dim > 1024 || q_heads % kv_heads != 0) return 1;
+  const int threads = ((head_dim + 31) / 32) * 32;
+  const dim3 grid(batch, q_heads);
+  memos::paged_decode_kernel<T><<<grid, threads, (threads / 32) * sizeof(float), stream>>>(
+      query, key_cache, value_cache, block_tables, seq_lens, out, q_heads, kv_heads, head_dim, block_size,
+      max_blocks, s_blk, s_head, s_tok, scale);
+  return (int)cudaGetLastError();
+}
+
 extern "C" int memos_paged_decode_f32(const float* query, const float* key_cache, const float* value_cache,
                                       const int64_t* block_tables, const int64_t* seq_lens, float* out, int batch,
                                       int q_heads, int kv_heads, int head_dim, int block_size, int max_blocks,
                                       int64_t s_blk, int64_t s_head, int64_t s_tok, float scale,
                                       cudaStream_t stream) {
-  if (head_dim > 1024 || q_heads % kv_heads != 0) return 1;
-  const int threads = ((head_dim + 31) / 32) * 32;
-  const dim3 grid(batch, q_heads);
-  memos::paged_decode_kernel<float><<<grid, threads, (threads / 32) * sizeof(float), stream>>>(
-      query, key_cache, value_cache, block_tables, seq_lens, out, q_heads, kv_heads, head_dim, block_size,
-      max_blocks, s_blk, s_head, s_tok, scale);
-  return (int)cudaGetLastError();
+  return launch<float>(query, key_cache, value_cache, block_tables, seq_lens, out, batch, q_heads, kv_heads, head_dim,
+                       block_size, max_blocks, s_blk, s_head, s_tok, scale, stream);
 }
 
 extern "C" int memos_paged_decode_f16(const __half* query, const __half* key_cache, const __half* value_cache,
@@ -85,11 +93,6 @@ extern "C" int memos_paged_decode_f16(const __half* query, const __half* key_cac
                                       int q_heads, int kv_heads, int head_dim, int block_size, int max_blocks,
                                       int64_t s_blk, int64_t s_head, int64_t s_tok, float scale,
                                       cudaStream_t stream) {
-  if (head_dim > 1024 || q_heads % kv_heads != 0) return 1;
-  const int threads = ((head_dim + 31) / 32) * 32;
-  const dim3 grid(batch, q_heads);
-  memos::paged_decode_kernel<__half><<<grid, threads, (threads / 32) * sizeof(float), stream>>>(
-      query, key_cache, value_cache, block_tables, seq_lens, out, q_heads, kv_heads, head_dim, block_size,
-      max_blocks, s_blk, s_head, s_tok, scale);
-  return (int)cudaGetLastError();
+  return launch<__half>(query, key_cache, value_cache, block_tables, seq_lens, out, batch, q_heads, kv_heads,
+                        head_dim, block_size, max_blocks, s_blk, s_head, s_tok, scale, stream);
 }
