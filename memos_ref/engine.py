@@ -98,9 +98,6 @@ class Engine:
         self.preemptions = 0
         self.deferred_admissions = 0  # times a waiting request could not start for lack of blocks
         self.steps = 0
-        # a memos_ref.tiering.TierManager attached to kv: evicted cached blocks are written down and prefix
-        # lookups reload them; step() enforces its watermarks once per engine step (or call its start())
-        self.tiering = kv.tier_manager
 
     def submit(self, request: Request) -> Request:
         self.waiting.append(request)
@@ -165,8 +162,9 @@ class Engine:
 
     def step(self) -> None:
         """Admit what fits, then one decode step for every running request."""
-        if self.tiering is not None and self.tiering._thread is None:
-            self.tiering.step()
+        tiering = self.kv.tier_manager  # attached to kv: evicted cached blocks go down, prefix lookups reload them
+        if tiering is not None and (tiering._thread is None or not tiering._thread.is_alive()):
+            tiering.step()  # its watermarks, once per engine step (unless its own thread drives it)
         self._admit()
         if not self.running:
             return

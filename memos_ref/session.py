@@ -364,9 +364,10 @@ class CacheSession:
         try:
             if self.closed or self.suspended or not self.cache.sequences:
                 return 0
-            released = sum(seq.num_blocks for seq in self.cache.sequences)
+            active_before = self.manager.kv.allocator.num_active
             self.cache.set_token_ids(torch.tensor([self.token_ids]))
             self.cache.free()
+            released = active_before - self.manager.kv.allocator.num_active  # shared blocks stay active
             self.suspended = True
             self.events.append(("suspended", {"blocks": released, "tokens": len(self.token_ids)}))
             return released

@@ -94,8 +94,13 @@ class PagedKV:
         if self.prefix_cache is not None:
             blocks = self.prefix_cache.lookup(token_ids, cache_salt)
             if self.tier_manager is not None:  # continue the prefix from the tiers below the device
-                self.tier_manager.touch(blocks)
-                blocks = blocks + self.tier_manager.extend_prefix(token_ids, cache_salt, blocks)
+                try:
+                    self.tier_manager.touch(blocks)
+                    blocks = blocks + self.tier_manager.extend_prefix(token_ids, cache_salt, blocks)
+                except BaseException:
+                    self.allocator.free_many(blocks)  # the lookup's references, then the empty sequence
+                    seq.free()
+                    raise
             seq.adopt_prefix(blocks, token_ids)
         return seq
 

@@ -110,14 +110,18 @@ class _BudgetLRU(TierBackend):
             return True
 
     def _reserve(self, key: str, size: int) -> bool:
-        """Make room for ``size`` bytes under ``key`` (replacing what it held); False if it can never fit."""
+        """Make room for ``size`` bytes under ``key`` (what it holds now will be replaced); False if it can
+        never fit. The books change only in :meth:`_commit`, once the bytes are really stored."""
         if size > self.budget_bytes:
             self.counts["rejected"] += 1
             return False
-        if key in self._sizes:
-            self._used -= self._sizes.pop(key)
-        self._make_room(size, keep=key)
+        self._make_room(size - self._sizes.get(key, 0), keep=key)
         return True
+
+    def _commit(self, key: str, size: int) -> None:
+        self._used += size - self._sizes.pop(key, 0)
+        self._sizes[key] = size  # most recently used
+        self.counts["puts"] += 1
 
     def _make_room(self, need: int, keep: str) -> None:
         while self._used + need > self.budget_bytes and self._sizes:
@@ -154,15 +158,17 @@ class HostMemoryBackend(_BudgetLRU):
         with self._lock:
             if not self._reserve(key, len(data)):
                 return False
-            if self.pin:
-                buf = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
-                buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-                self._data[key] = buf
-            else:
-                self._data[key] = bytes(data)
-            self._sizes[key] = len(data)
-            self._used += len(data)
-            self.counts["puts"] += 1
+            try:
+                if self.pin:
+                    buf = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
+                    buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                    self._data[key] = buf
+                else:
+                    self._data[key] = bytes(data)
+            except RuntimeError:  # pinned memory can run out: refuse the block rather than fail the caller
+                self.counts["errors"] += 1
+                return False
+            self._commit(key, len(data))
             return True
 
     def get(self, key: str) -> bytes | None:
@@ -217,21 +223,21 @@ class DiskBackend(_BudgetLRU):
         with self._lock:
             if not self._reserve(key, len(data)):
                 return False
-            path.parent.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+            tmp = None
             try:
+                path.parent.mkdir(exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
                 with os.fdopen(fd, "wb") as fh:
                     fh.write(data)
                     fh.flush()
                     os.fsync(fh.fileno())
                 os.replace(tmp, path)
             except OSError:
-                Path(tmp).unlink(missing_ok=True)
+                if tmp is not None:
+                    Path(tmp).unlink(missing_ok=True)
                 self.counts["errors"] += 1
-                return False
-            self._sizes[key] = len(data)
-            self._used += len(data)
-            self.counts["puts"] += 1
+                return False  # the old file, if any, is untouched and still counted
+            self._commit(key, len(data))
             return True
 
     def get(self, key: str) -> bytes | None:
@@ -286,8 +292,8 @@ class RedisTierBackend(TierBackend):
     ) -> None:
         super().__init__()
         for label, value in (("namespace", namespace), ("tenant", tenant), ("fingerprint", fingerprint)):
-            if not isinstance(value, str) or not _KEY.fullmatch(value[:64]):
-                raise ConfigError(f"{label} must be 1-64 of [A-Za-z0-9_-], got {value!r}")
+            if not isinstance(value, str) or not _KEY.fullmatch(value):  # no ':' or glob characters anywhere
+                raise ConfigError(f"{label} must be 1-128 of [A-Za-z0-9_-], got {value!r}")
         if ttl is not None and ttl <= 0:
             raise ConfigError(f"ttl must be positive or None, got {ttl}")
         self.redis = redis or ResilientRedis(url, timeout=timeout, retry_after=retry_after)

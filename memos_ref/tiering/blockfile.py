@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from memos_ref.errors import CorruptCacheError, ModelMismatchError, ShapeError
+from memos_ref.errors import ConfigError, CorruptCacheError, ModelMismatchError, ShapeError
 from memos_ref.spec import KVSpec
 from memos_ref.tiering.codecs import Codec, get_codec
 
@@ -79,7 +79,15 @@ def decode_block(data: bytes, *, spec: KVSpec, fingerprint: str, key: str | None
         payload = st_load(data)["payload"].numpy().tobytes()
     except Exception as exc:  # safetensors raises its own error types on damaged files
         raise CorruptCacheError(f"damaged block file: {type(exc).__name__}: {exc}") from None
-    raw = get_codec(meta["codec"]).decode(payload, spec.dtype.itemsize)
-    if len(raw) != int(meta["raw_nbytes"]) or hashlib.blake2b(raw, digest_size=16).hexdigest() != meta["checksum"]:
+    try:
+        codec = get_codec(meta["codec"])
+        declared = int(meta["raw_nbytes"])
+        checksum = meta["checksum"]
+    except (KeyError, ValueError, TypeError, ConfigError) as exc:
+        raise CorruptCacheError(f"damaged block header: {type(exc).__name__}: {exc}") from None
+    if declared != spec.bytes_per_block:
+        raise CorruptCacheError(f"block header says {declared} raw bytes; this geometry has {spec.bytes_per_block}")
+    raw = codec.decode(payload, spec.dtype.itemsize)
+    if len(raw) != declared or hashlib.blake2b(raw, digest_size=16).hexdigest() != checksum:
         raise CorruptCacheError(f"block {meta.get('key')!r} failed its checksum ({len(raw)} bytes)")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(spec.dtype).reshape(spec.block_shape)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memos_ref.errors import ConfigError, CorruptCacheError
+from memos_ref.errors import BackendUnavailableError, ConfigError, CorruptCacheError
 
 __all__ = ["CODECS", "Codec", "get_codec", "shuffle", "unshuffle"]
 
@@ -67,6 +67,8 @@ class Codec:
                 import zstandard
 
                 data = zstandard.ZstdDecompressor().decompress(data)
+        except ImportError as exc:  # a missing library is not a damaged block: never delete a good copy for it
+            raise BackendUnavailableError(f"{self.name} needs a library that is not installed: {exc}") from None
         except Exception as exc:  # lz4 and zstd raise their own error types on damaged input
             raise CorruptCacheError(f"{self.name}: cannot decompress ({type(exc).__name__}: {exc})") from None
         return unshuffle(data, itemsize) if self.shuffled else data

@@ -27,6 +27,7 @@ are too aggressive). ``step(now)`` makes it deterministic in tests; :meth:`start
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -75,6 +76,13 @@ class TierManager:
             raise ConfigError("tiering needs a PagedKV with prefix caching (blocks are stored under prefix hashes)")
         if getattr(kv.pool, "quantized", False):
             raise ConfigError("tiering of quantized pools is not supported yet; tier an unquantized PagedKV")
+        if store.spec != kv.spec:
+            raise ConfigError(f"the tier store holds blocks of {store.spec}, the device pool is {kv.spec}")
+        if store.fingerprint != kv.prefix_cache.fingerprint:
+            raise ConfigError(
+                f"the tier store's fingerprint {store.fingerprint!r} differs from the prefix cache's "
+                f"{kv.prefix_cache.fingerprint!r}: blocks would be keyed for one model and checked against another"
+            )
         if not 0 < low_watermark < high_watermark <= 1:
             raise ConfigError(f"need 0 < low < high <= 1, got low={low_watermark}, high={high_watermark}")
         if reload not in ("auto", "always", "never"):
@@ -96,13 +104,19 @@ class TierManager:
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self.last_error: str | None = None
+        self._events_lock = threading.Lock()
         previous = kv.allocator.on_evict
 
         def on_evict(block: int) -> None:  # runs before the prefix cache forgets the block's hash
-            self._write_back(block)
-            self.history.pop(block, None)
-            if previous is not None:
-                previous(block)
+            try:
+                self._write_back(block)
+            except Exception:  # a failing tier must never break an allocation half-way: the block is just lost
+                self.counts["write_back_failed"] += 1
+            finally:
+                self.history.pop(block, None)
+                if previous is not None:
+                    previous(block)
 
         kv.allocator.on_evict = on_evict
         kv.tier_manager = self
@@ -117,7 +131,9 @@ class TierManager:
         return self.kv.prefix_cache._hash_of.get(block)
 
     def pin(self, hashes: Iterable[bytes]) -> None:
-        """Never swap out the blocks with these prefix hashes (e.g. the current system prompts)."""
+        """Never swap out the blocks with these prefix hashes (e.g. the current system prompts) in :meth:`step`.
+        The allocator may still evict a pinned block that nobody holds when it runs out of free blocks; it is
+        written back to the first tier first, like any other."""
         self.pinned.update(hashes)
 
     def unpin(self, hashes: Iterable[bytes]) -> None:
@@ -142,13 +158,16 @@ class TierManager:
                 self.history.setdefault(b, BlockHistory()).touch(now)
 
     def _note_swap(self, n: int, now: float) -> None:
-        for _ in range(n):
-            self.swap_events.append(now)
+        with self._events_lock:
+            for _ in range(n):
+                self.swap_events.append(now)
 
     def swap_rate(self, now: float | None = None, window_s: float = 10.0) -> float:
         """Blocks swapped (in or out) per second over the last ``window_s`` seconds."""
         now = self.clock() if now is None else now
-        return sum(1 for t in self.swap_events if now - t <= window_s) / window_s
+        with self._events_lock:
+            events = list(self.swap_events)
+        return sum(1 for t in events if now - t <= window_s) / window_s
 
     # ------------------------------------------------------------------ swap-out
     def _store_block(self, block: int, key: str) -> str | None:
@@ -166,6 +185,8 @@ class TierManager:
         if self._store_block(block, h.hex()) is not None:
             self.counts["write_backs"] += 1
             self._note_swap(1, self.clock())
+        else:
+            self.counts["write_back_refused"] += 1  # no tier took it: the block is lost, and recomputed if needed
 
     def _candidates(self, now: float) -> list[int]:
         a = self.kv.allocator
@@ -182,8 +203,9 @@ class TierManager:
             if now - hist.last < self.min_residency:
                 continue
             hist.kind = self.kinds.get(h, hist.kind)
-            out.append(b)
-        return sorted(out, key=lambda b: self.priority(self.history[b], now))
+            out.append((b, hist))
+        # sort (block, history) pairs: another thread may evict a block and drop its history meanwhile
+        return [b for b, _ in sorted(out, key=lambda pair: self.priority(pair[1], now))]
 
     def _swap_out_cached(self, target_held: int, now: float) -> int:
         a, pc, moved = self.kv.allocator, self.kv.prefix_cache, 0
@@ -264,7 +286,11 @@ class TierManager:
         return reload <= recompute
 
     def extend_prefix(
-        self, token_ids: Sequence[int], cache_salt: str | None, device_blocks: Sequence[int]
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        device_blocks: Sequence[int],
+        reloaded_out: list[int] | None = None,
     ) -> list[int]:
         """Blocks that continue ``device_blocks``: reloaded from the tiers into fresh device blocks, interleaved
         with blocks still on the device further along (the caller owns one reference to each). Empty when
@@ -276,6 +302,13 @@ class TierManager:
         if first >= limit:
             return []
         hashes = pc.hashes(token_ids[: limit * t], cache_salt)
+        located: dict[int, str | None] = {}  # tier lookups (network and disk) happen outside the allocator lock
+        for i in range(first, limit):
+            if hashes[i] in pc._block_of:
+                continue
+            located[i] = self.store.locate(hashes[i].hex())
+            if located[i] is None:
+                break
         plan: list[tuple[int, bytes, str | None, int | None]] = []  # (index, hash, tier or None, device block)
         with pc._lock:  # device blocks in the plan get their reference now, so they cannot be evicted meanwhile
             for i in range(first, limit):
@@ -285,25 +318,41 @@ class TierManager:
                     self.kv.allocator.incref(block)
                     plan.append((i, h, None, block))
                     continue
-                tier = self.store.locate(h.hex())
+                tier = located.get(i)  # None: not in a tier, or it left the device after the lookups above
                 if tier is None:
                     break
                 plan.append((i, h, tier, None))
         from_tiers = [p for p in plan if p[2] is not None]
-        if not from_tiers:
-            return []
+        if not from_tiers:  # another thread restored the next blocks meanwhile: they are a valid continuation
+            return [p[3] for p in plan]
+        owned = {p[3] for p in plan if p[3] is not None}  # device references this call holds
+        fresh: list[int] = []
+        try:
+            loaded = self._reload(plan, from_tiers, token_ids, first, owned, fresh, reloaded_out)
+        except BaseException:
+            for block in [*fresh, *owned]:  # nothing half-done stays referenced
+                self.kv.allocator.free(block)
+            raise
+        return loaded
+
+    def _reload(
+        self, plan, from_tiers, token_ids, first, owned: set[int], fresh: list[int], reloaded_out: list[int] | None
+    ) -> list[int]:
+        """Bring ``from_tiers`` blocks into fresh device blocks, in plan order. ``owned`` (device references
+        held) and ``fresh`` (allocated blocks) are kept current so the caller can release them on an error."""
+        pc, t = self.kv.prefix_cache, self.kv.spec.block_size
         tiers = {p[2] for p in from_tiers}
         slowest = from_tiers[0][2] if len(tiers) == 1 else self.store.tiers[-1].name
-        gap = from_tiers[0][0]
-        if not self._should_reload_run(slowest, len(from_tiers), gap, plan[-1][0] + 1):
+        if not self._should_reload_run(slowest, len(from_tiers), from_tiers[0][0], plan[-1][0] + 1):
             self.counts["decided_recompute"] += 1
-            for p in plan:
-                if p[3] is not None:
-                    self.kv.allocator.free(p[3])
+            for block in list(owned):
+                self.kv.allocator.free(block)
+                owned.discard(block)
             return []
         self.counts["decided_reload"] += 1
-        available = self.kv.allocator.num_available
-        fresh = self.kv.allocator.allocate(min(len(from_tiers), available)) if available else []
+        with pc._lock:  # the count and the allocation must agree
+            available = self.kv.allocator.num_available
+            fresh.extend(self.kv.allocator.allocate(min(len(from_tiers), available)) if available else [])
         loaded: list[int] = []
         now = self.clock()
         reloaded = 0
@@ -311,23 +360,33 @@ class TierManager:
             if block is not None:
                 loaded.append(block)
                 continue
-            got = self.store.get(h.hex()) if reloaded < len(fresh) else None
-            if got is None:  # damaged, unreachable, or no device block left: the rest is recomputed
-                self.counts["reload_failed"] += 1
+            if reloaded >= len(fresh):
+                self.counts["reload_no_room"] += 1
+                got = None
+            else:
+                got = self.store.get(h.hex())
+                if got is None:
+                    self.counts["reload_failed"] += 1  # damaged or unreachable
+            if got is None:  # the rest is recomputed
                 for _, _, _, rest in plan[pos + 1 :]:
                     if rest is not None:
                         self.kv.allocator.free(rest)
+                        owned.discard(rest)
                 break
             b = fresh[reloaded]
             reloaded += 1
             self.kv.pool.block(b).copy_(got[0].to(self.kv.pool.device))
             if not pc.register(b, h, token_ids[i * t : (i + 1) * t]):
-                self.counts["reload_duplicates"] += 1  # another caller restored it meanwhile; this copy is private
+                self.counts["reload_duplicates"] += 1  # restored meanwhile by another caller: this copy is private
             self.history.setdefault(b, BlockHistory(kind=self.kinds.get(h, "turn"))).touch(now)
             loaded.append(b)
+            if reloaded_out is not None:
+                reloaded_out.append(b)
         for b in fresh[reloaded:]:
             self.kv.allocator.free(b)
-        self.touch([b for b in loaded], now)
+        del fresh[:]  # from here on the caller owns every returned block
+        owned.clear()
+        self.touch(loaded, now)
         if reloaded:
             self.counts["swap_in_blocks"] += reloaded
             self.counts["swap_in_bytes"] += reloaded * self.kv.spec.bytes_per_block
@@ -337,18 +396,22 @@ class TierManager:
 
     def prefetch(self, token_ids: Sequence[int], cache_salt: str | None = None, max_blocks: int = 8) -> int:
         """Bring up to ``max_blocks`` of a prompt's blocks from the tiers to the device ahead of its request
-        (seed 001 §3.1); they wait there as cached blocks. Returns how many were fetched."""
+        (seed 001 §3.1); they wait there as cached blocks. Returns how many were fetched by this call."""
         t, pc = self.kv.spec.block_size, self.kv.prefix_cache
         token_ids = list(token_ids)
-        before = self.counts["swap_in_blocks"]
         device = pc.lookup(token_ids, cache_salt)
         with pc._lock:  # a prefetch is not a request: keep it out of the prefix hit statistics
             pc.queries -= 1
             pc.query_tokens -= len(token_ids)
             pc.hit_tokens -= len(device) * t
-        more = self.extend_prefix(token_ids[: (len(device) + max_blocks) * t + 1], cache_salt, device)
+        reloaded: list[int] = []
+        try:
+            more = self.extend_prefix(token_ids[: (len(device) + max_blocks) * t + 1], cache_salt, device, reloaded)
+        except BaseException:
+            self.kv.allocator.free_many(device)
+            raise
+        fetched = len(reloaded)
         self.kv.allocator.free_many(device + more)  # nobody holds them now: they wait as cached blocks
-        fetched = self.counts["swap_in_blocks"] - before
         self.counts["prefetched_blocks"] += fetched
         return fetched
 
@@ -376,8 +439,8 @@ class TierManager:
         fit = torch.linalg.lstsq(xs, torch.tensor(times, dtype=torch.float64)[:, None]).solution.flatten()
         self._recompute_fit = tuple(float(v) for v in fit)  # type: ignore[assignment]
         probe = torch.randn(spec.block_shape).to(spec.dtype)
+        key = f"calibration-probe-{os.getpid()}-{id(self)}"  # unique: processes may share a Redis tier
         for tier in self.store.tiers:
-            key = "calibration-probe"
             if not self.store.put(key, probe, tier.name):
                 continue
             best = math.inf
@@ -418,7 +481,11 @@ class TierManager:
 
         def loop() -> None:
             while not self._stop.wait(interval_s):
-                self.step()
+                try:
+                    self.step()
+                except Exception as exc:  # keep driving: one failed step must not stop tiering for good
+                    self.counts["step_errors"] += 1
+                    self.last_error = repr(exc)
 
         self._thread = threading.Thread(target=loop, name="memos-tier-manager", daemon=True)
         self._thread.start()
@@ -433,7 +500,7 @@ class TierManager:
     def stats(self) -> dict[str, Any]:
         a = self.kv.allocator
         return {
-            **self.counts,
+            **dict(self.counts),
             "device_blocks_held": a.num_active + a.num_cached,
             "device_utilization": self.utilization(),
             "swap_rate_per_s": self.swap_rate(),

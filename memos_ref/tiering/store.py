@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from memos_ref.errors import ConfigError, CorruptCacheError
+from memos_ref.errors import BackendUnavailableError, ConfigError, CorruptCacheError
 from memos_ref.spec import KVSpec
 from memos_ref.tiering.backends import TierBackend, validate_block_key
 from memos_ref.tiering.blockfile import decode_block, encode_block
@@ -117,6 +117,9 @@ class TierStore:
             except CorruptCacheError:
                 self.counts[target.name]["corrupt"] += 1
                 target.backend.delete(key)
+                continue
+            except BackendUnavailableError:  # this process cannot decode it; the copy may be fine for others
+                self.counts[target.name]["undecodable"] += 1
                 continue
             seconds = time.perf_counter() - started
             self._observe(target.name, self.spec.bytes_per_block, seconds)
