@@ -37,11 +37,18 @@ __all__ = [
     "write_kv_int8",
 ]
 
-_NEG = -1.0e30  # a finite "minus infinity": exp(_NEG - m) is 0 and never NaN
+_NEG = tl.constexpr(-1.0e30)  # a finite "minus infinity": exp(_NEG - m) is 0 and never NaN (jit globals: constexpr)
 
 
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+def _check_fp8(device: torch.device) -> None:
+    """Triton's float8e4nv needs sm_89 or newer (Ada, Hopper); Jetson Orin (sm_87) and A100 (sm_80) lack it."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError(f"fp8 KV kernels need sm_89 or newer; this GPU is sm_{major}{minor}: use int8")
 
 
 def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, quant: str = "none") -> tuple[int, int, int, int]:
@@ -116,6 +123,7 @@ def write_kv(
     """Scatter ``key, value [n, H, D]`` into ``key_cache, value_cache [N, H, T, D]`` at ``slots [n]``
     (slot = block · T + offset; ``-1`` skips the token)."""
     h, t, d = _check_write(key, value, slots, key_cache, value_cache, "none")
+    slots = slots.to(torch.int64)  # 64-bit offsets: block × stride overflows 32 bits in pools over 2 GiB
     if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
         raise DTypeError(f"key/value dtype {key.dtype} does not match the cache's {key_cache.dtype}")
     if key.shape[0] == 0:
@@ -173,9 +181,10 @@ def write_kv_int8(
     value_scale: torch.Tensor,
 ) -> None:
     """Reshape-and-cache with int8 quantization on write (per token and head, fp16 scale): the streaming int8
-    path of the quantized pool. ``*_codes [N, H, T, D]`` int8, ``*_scale [N, H, T]`` fp16. Ties round half away
-    from zero (torch rounds half to even: codes can differ by one at exact halves)."""
+    path of the quantized pool. ``*_codes [N, H, T, D]`` int8, ``*_scale [N, H, T]`` fp16. Ties round half up
+    (torch rounds half to even: codes can differ by one at exact halves)."""
     h, t, d = _check_write(key, value, slots, key_codes, value_codes, "int8")
+    slots = slots.to(torch.int64)
     if key_scale.dtype != torch.float16 or key_scale.ndim != 3 or key_scale.stride() != value_scale.stride():
         raise DTypeError("scales must be fp16 [N, H, T] views of one payload")
     if key.shape[0] == 0:
@@ -228,6 +237,8 @@ def write_kv_fp8(
     scales ``[N, H]`` fp32 already in place. The caller grows a scale, and re-encodes its block, before a token
     that needs more range is written (the quantized pool does): the kernel only encodes, saturating at ±448."""
     h, t, d = _check_write(key, value, slots, key_codes, value_codes, "fp8")
+    _check_fp8(key.device)
+    slots = slots.to(torch.int64)
     if key_scale.dtype != torch.float32 or key_scale.ndim != 2 or key_scale.stride() != value_scale.stride():
         raise DTypeError("scales must be fp32 [N, H] views of one payload")
     if key.shape[0] == 0:
@@ -361,6 +372,10 @@ def paged_decode_attention(
     if quant not in QUANT_MODES:
         raise ConfigError(f"quant must be one of {sorted(QUANT_MODES)}, got {quant!r}")
     _n, h, t, d = _check_cache(key_cache, value_cache, quant)
+    if key_cache.stride() != value_cache.stride():
+        raise ShapeError("key and value caches must have the same strides (two views of one pool)")
+    if quant == "fp8":
+        _check_fp8(query.device)
     if quant != "none":
         want = 3 if quant == "int8" else 2
         if key_scale is None or value_scale is None or key_scale.ndim != want or value_scale.shape != key_scale.shape:
@@ -395,7 +410,7 @@ def paged_decode_attention(
         raise ShapeError("query must be contiguous along head_dim")
     max_blocks = block_tables.shape[1]
     if blocks_per_split is None:
-        blocks_per_split = max(1, min(max_blocks, 512 // t))  # about 512 tokens per program
+        blocks_per_split = max(1, 512 // t)  # about 512 tokens per program; a constant, so no recompiles
     num_splits = max(1, math.ceil(max_blocks / blocks_per_split))
     group = hq // h
     gp = triton.next_power_of_2(group)

@@ -65,6 +65,14 @@ def use_kernels(device: torch.device) -> bool:
     return True
 
 
+def _kernel_fits(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """The kernel's limits (power-of-two head_dim, block size 8-128, one dtype): outside them, the reference."""
+    t, d = key_cache.shape[2], key_cache.shape[3]
+    pow2 = d > 0 and d & (d - 1) == 0 and t & (t - 1) == 0 and 8 <= t <= 128
+    same = query.dtype == key_cache.dtype == value_cache.dtype and key_cache.stride() == value_cache.stride()
+    return pow2 and same  # outside the limits even the explicit modes fall back, rather than fail mid-generation
+
+
 def paged_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -75,7 +83,7 @@ def paged_decode(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Decode attention ``query [B, Hq, D]`` over paged caches ``[N, H, T, D]``: the kernel or the reference."""
-    if use_kernels(query.device):
+    if use_kernels(query.device) and _kernel_fits(query, key_cache, value_cache):
         return _triton().paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=scale)
     from memos_ref.attention import paged_attention
 

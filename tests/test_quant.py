@@ -287,3 +287,49 @@ def test_idle_sequences_age_their_residual_window():
     assert torch.allclose(k[:, :96], PerTokenInt8().round_trip(keys[0][:, :96]), atol=1e-6)
     assert torch.equal(k[:, 96:], keys[0][:, 96:])
     kv.check()
+
+
+def test_fp8_scale_growth_does_not_compound():
+    """A block whose values grow slowly, token by token: power-of-two scales make each re-encoding an exact
+    exponent shift, so the first token reads back within fp8's own error however often the scale grew."""
+    kv = PagedKV(SPEC, 4, quant=FP8E4M3(), prefix_caching=False)
+    seq = kv.new_sequence()
+    first = torch.ones(2, 1, 32)
+    for layer in range(2):
+        seq.append(layer, first, first)
+    for step in range(1, 31):
+        x = torch.full((2, 1, 32), 1.03**step * 3)
+        for layer in range(2):
+            seq.append(layer, x, x)
+    k, _ = seq.to_dense(0)
+    assert float((k[:, 0] - 1.0).abs().max()) <= 2**-4  # 3 mantissa bits, no drift
+    assert kv.pool.rescales > 0
+
+
+def test_cached_blocks_do_not_hold_staging_slots():
+    """Freed sequences' full blocks stay in the prefix cache; they are sealed, so new sequences can still stage."""
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=32, dtype=torch.float32)
+    kv = PagedKV(spec, 64, quant=KIVI(4, 32), staging_blocks=16)  # prefix caching on
+    for i in range(4):
+        seq = kv.new_sequence()
+        x = torch.randn(2, 128, 32)
+        for layer in range(2):
+            seq.append(layer, x, x, list(range(1000 * i, 1000 * i + 128)) if layer == 0 else None)
+        seq.free()
+    assert kv.allocator.num_cached == 16 and kv.pool.staged_blocks == 0
+    fresh = kv.new_sequence()
+    for layer in range(2):
+        fresh.append(layer, torch.randn(2, 40, 32), torch.randn(2, 40, 32))
+    kv.check()
+
+
+def test_copy_on_write_with_a_full_staging_slab_leaks_nothing():
+    kv = PagedKV(SPEC, 16, quant=KIVI(4, 32), residual_tokens=128, staging_blocks=2, prefix_caching=False)
+    seq, _, _ = fill(kv, 40)  # two staged blocks: the slab is full
+    child = seq.fork()
+    with pytest.raises(StagingFullError):
+        child.append(0, torch.randn(2, 1, 32), torch.randn(2, 1, 32))  # the shared partial tail must be copied
+    child.free()
+    seq.free()
+    kv.check()
+    assert kv.allocator.num_free == 16

@@ -116,7 +116,11 @@ class SequenceCache:
             fresh = self.allocator.allocate(new_blocks + int(copy_tail))  # raises before any change
             if copy_tail:
                 private, old = fresh.pop(), self.block_table[-1]
-                self.pool.copy_block(old, private)
+                try:
+                    self.pool.copy_block(old, private)
+                except BaseException:  # e.g. a quantized pool without a free staging block: give everything back
+                    self.allocator.free_many([*fresh, private])
+                    raise
                 self.block_table[-1] = private
                 self.allocator.free(old)
                 self.cow_copies += 1
@@ -247,6 +251,7 @@ class SequenceCache:
                 raise ConfigError("cannot truncate in the middle of a model step")
             keep = -(-n // self.block_size)
             dropped = self.block_table[keep:]
+            self._seal_full(dropped, first_index=keep)
             self.allocator.free_many(dropped)
             del self.block_table[keep:]
             del self.token_ids[n:]
@@ -260,12 +265,23 @@ class SequenceCache:
         with self._lock:
             if self._freed:
                 return
+            self._seal_full(self.block_table, first_index=0)
             self.allocator.free_many(self.block_table)
             self.block_table = []
             self.num_tokens = 0
             self._freed = True
             if self.registry is not None:
                 self.registry.pop(self.seq_id, None)
+
+    def _seal_full(self, blocks: Sequence[int], first_index: int) -> None:
+        """A quantized pool keeps recent blocks at full precision in a small staging slab; a full block leaving
+        this sequence may live on in the prefix cache, where no residual window applies: seal it so it does not
+        hold a staging slot indefinitely (partial blocks are freed, which returns their slots)."""
+        seal = getattr(self.pool, "seal", None)
+        if seal is None or not self.caught_up:
+            return
+        full = self.num_tokens // self.block_size
+        seal([b for i, b in enumerate(blocks, start=first_index) if i < full])
 
     # ------------------------------------------------------------------ checks
     def to_dense(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -233,7 +233,9 @@ class QuantizedBlockPool:
     def _write_fp8(self, layer: int, kv: int, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> None:
         """fp8 with a per-(block, head) scale that grows when a new token needs more range."""
         codes, scales = self.payload["codes"], self.payload["scale"]
-        need = (x.float().abs().amax(-1) / FP8_MAX).clamp(min=1e-8)  # [n, H]
+        # powers of two: growing a scale then shifts every stored code's exponent exactly, so repeated growth
+        # never compounds rounding (a scale grown by 3% would round many codes back to themselves)
+        need = torch.exp2(torch.ceil(torch.log2((x.float().abs().amax(-1) / FP8_MAX).clamp(min=1e-8))))  # [n, H]
         for b in blocks.unique().tolist():
             mine = blocks == b
             need_b = need[mine].amax(0)  # [H]
@@ -349,7 +351,7 @@ class QuantizedBlockPool:
         """``[n, 2, H, T, D]`` of ``blocks`` in one layer, dequantized to the pool's dtype."""
         n = blocks.numel()
         out = torch.empty((n, 2, *self.spec.block_shape[2:]), dtype=self.spec.dtype, device=self.device)
-        slots = self.staging_slot[blocks]
+        slots = self.staging_slot[blocks.cpu()].to(self.device)  # the slot map lives on the CPU
         staged = slots >= 0
         if bool(staged.any()):
             out[staged] = self.staging[slots[staged], layer]
