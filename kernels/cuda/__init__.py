@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from memos_ref.errors import BackendUnavailableError
+from memos_ref.errors import BackendUnavailableError, ShapeError
 
 __all__ = ["SOURCE", "load", "paged_decode"]
 
@@ -67,6 +67,13 @@ def paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: f
     import math
 
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    if key_cache.stride() != value_cache.stride():
+        raise ShapeError("key and value caches must have the same strides (two views of one pool)")
     return load().paged_decode(
-        query.contiguous(), key_cache, value_cache, block_tables.long(), seq_lens.long(), float(scale)
+        query.contiguous(),
+        key_cache,
+        value_cache,
+        block_tables.long().contiguous(),  # the kernel indexes rows as b · max_blocks + i
+        seq_lens.long().contiguous(),
+        float(scale),
     )
