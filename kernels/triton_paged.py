@@ -6,7 +6,8 @@ strided view ``[blocks, H, T, D]``; the kernels take strides, so no copy is made
   scale; fp8 e4m3 with the block's per-head scale);
 * :func:`paged_decode_attention` — one query token per sequence, GQA (a program serves one KV head and all its
   query heads), variable lengths, online softmax, split-K over the context (flash-decoding) with a reduce step;
-  dequantizing variants for the int8 and fp8 blocks of the quantized pool;
+  dequantizing variants for the int8 and fp8 blocks of the quantized pool, and for KIVI's packed 4/2-bit blocks
+  (with its full-precision residual window read from the staging slab);
 * :func:`paged_prefill_attention` — a chunk of queries per sequence against its cached prefix and itself;
 * :func:`copy_blocks` — block copies for copy-on-write and compaction.
 
@@ -31,6 +32,7 @@ __all__ = [
     "QUANT_MODES",
     "copy_blocks",
     "paged_decode_attention",
+    "paged_decode_attention_kivi",
     "paged_prefill_attention",
     "write_kv",
     "write_kv_fp8",
@@ -435,6 +437,128 @@ def paged_decode_attention(
         tables.stride(0), max_blocks,
         num_splits,
         G=group, GP=gp, T=t, D=d, BLOCKS_PER_SPLIT=blocks_per_split, QUANT=QUANT_MODES[quant],
+    )  # fmt: skip
+    _decode_reduce_kernel[(b, h)](acc, m, l_sum, out, out.stride(0), out.stride(1), num_splits, G=group, GP=gp, D=d)
+    return out
+
+
+@triton.jit
+def _decode_kivi_split_kernel(
+    q_ptr, tables_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr,
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, stg_ptr, slot_ptr,
+    scale,
+    s_qb, s_qh,
+    s_cb, s_ch, s_ct,
+    s_kb, s_kh, s_kg,
+    s_vb, s_vh, s_vt,
+    s_fb, s_fk, s_fh, s_ft,
+    s_tb, max_blocks, num_splits,
+    G: tl.constexpr, GP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+    BITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+):  # fmt: skip
+    """Split-K decode over KIVI blocks: packed codes (keys per channel over GK tokens, values per token over GV
+    channels, fp16 scale and zero), or the full-precision staging slab for blocks still in the residual window."""
+    PER: tl.constexpr = 8 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    t = tl.arange(0, T)
+    q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
+    q = q.to(tl.float32)
+    m_i = tl.full((GP,), _NEG, tl.float32)
+    l_i = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((GP, D), tl.float32)
+    shift = ((d % PER) * BITS)[None, :]
+    for i in range(BLOCKS_PER_SPLIT):
+        idx = s * BLOCKS_PER_SPLIT + i
+        tok0 = idx * T
+        if (tok0 < seq_len) & (idx < max_blocks):
+            block = tl.load(tables_ptr + b * s_tb + idx)
+            ok = (tok0 + t) < seq_len
+            slot = tl.load(slot_ptr + block)
+            if slot >= 0:  # still at full precision (the residual window)
+                f = slot * s_fb + h * s_fh + t[:, None] * s_ft + d[None, :]
+                k = tl.load(stg_ptr + f, mask=ok[:, None], other=0.0).to(tl.float32)
+                v = tl.load(stg_ptr + s_fk + f, mask=ok[:, None], other=0.0).to(tl.float32)
+            else:
+                c = block * s_cb + h * s_ch + t[:, None] * s_ct + (d // PER)[None, :]
+                kcode = ((tl.load(kc_ptr + c, mask=ok[:, None], other=0).to(tl.int32) >> shift) & MASK).to(tl.float32)
+                vcode = ((tl.load(vc_ptr + c, mask=ok[:, None], other=0).to(tl.int32) >> shift) & MASK).to(tl.float32)
+                kq = block * s_kb + h * s_kh + (t // GK)[:, None] * s_kg + d[None, :]
+                k = kcode * tl.load(ks_ptr + kq).to(tl.float32) + tl.load(kz_ptr + kq).to(tl.float32)
+                vq = block * s_vb + h * s_vh + t[:, None] * s_vt + (d // GV)[None, :]
+                v = vcode * tl.load(vs_ptr + vq).to(tl.float32) + tl.load(vz_ptr + vq).to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+            scores = tl.where(ok[None, :], scores, _NEG)
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            p = tl.where(ok[None, :], tl.exp(scores - m_new[:, None]), 0.0)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+    row = (b * tl.num_programs(1) + h) * num_splits + s
+    tl.store(acc_ptr + (row * GP + g)[:, None] * D + d[None, :], acc)
+    tl.store(m_ptr + row * GP + g, m_i)
+    tl.store(l_ptr + row * GP + g, l_i)
+
+
+def paged_decode_attention_kivi(
+    query: torch.Tensor,
+    pool: object,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    blocks_per_split: int | None = None,
+) -> torch.Tensor:
+    """Decode attention ``[B, Hq, D]`` straight over a KIVI :class:`~memos_ref.quant.pool.QuantizedBlockPool`:
+    sealed blocks are unpacked and dequantized in the kernel, blocks of the residual window are read from the
+    full-precision staging slab."""
+    from memos_ref.quant.schemes import KIVI
+
+    scheme = getattr(pool, "scheme", None)
+    if not isinstance(scheme, KIVI):
+        raise ConfigError(f"expected a QuantizedBlockPool with a KIVI scheme, got {type(pool).__name__}")
+    spec, p = pool.spec, pool.payload
+    h, t, d = spec.num_kv_heads, spec.block_size, spec.head_dim
+    if not _pow2(d) or not _pow2(t):
+        raise ConfigError(f"head_dim and block size must be powers of two, got {d} and {t}")
+    b, hq, _ = query.shape
+    if query.shape[2] != d or hq % h or block_tables.shape[0] != b or seq_lens.shape != (b,):
+        raise ShapeError(f"query [{b}, k·{h}, {d}], block_tables [{b}, *] and seq_lens [{b}] expected")
+    dev = query.device
+    kc, ks, kz = p["k_codes"][:, layer], p["k_scale"][:, layer], p["k_zero"][:, layer]  # [N,H,T,DB], [N,H,T/G,D]
+    vc, vs, vz = p["v_codes"][:, layer], p["v_scale"][:, layer], p["v_zero"][:, layer]  # [N,H,T,DB], [N,H,T,D/GV]
+    stg = pool.staging[:, layer] if pool.staging.shape[0] else torch.zeros((1, 2, h, t, d), dtype=spec.dtype)
+    slots = pool.staging_slot.to(dev)
+    max_blocks = block_tables.shape[1]
+    blocks_per_split = blocks_per_split or max(1, 512 // t)
+    num_splits = max(1, math.ceil(max_blocks / blocks_per_split))
+    group, gp = hq // h, triton.next_power_of_2(hq // h)
+    acc = torch.empty((b, h, num_splits, gp, d), dtype=torch.float32, device=dev)
+    m = torch.empty((b, h, num_splits, gp), dtype=torch.float32, device=dev)
+    l_sum = torch.empty_like(m)
+    out = torch.full_like(query, float("nan"))
+    if b == 0:
+        return out
+    tables, lens = block_tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
+    _decode_kivi_split_kernel[(b, h, num_splits)](
+        query, tables, lens, acc, m, l_sum,
+        kc, ks, kz, vc, vs, vz, stg, slots,
+        scale if scale is not None else 1.0 / math.sqrt(d),
+        query.stride(0), query.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2),
+        vs.stride(0), vs.stride(1), vs.stride(2),
+        stg.stride(0), stg.stride(1), stg.stride(2), stg.stride(3),
+        tables.stride(0), max_blocks, num_splits,
+        G=group, GP=gp, T=t, D=d, BLOCKS_PER_SPLIT=blocks_per_split,
+        BITS=scheme.bits, GK=scheme.group_size, GV=min(scheme.group_size, d),
     )  # fmt: skip
     _decode_reduce_kernel[(b, h)](acc, m, l_sum, out, out.stride(0), out.stride(1), num_splits, G=group, GP=gp, D=d)
     return out

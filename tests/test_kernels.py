@@ -298,3 +298,32 @@ def test_review_regressions():
         assert torch.allclose(out, want[:, :, 0])
     finally:
         os.environ.pop("MEMOS_REF_KERNELS")
+
+
+@pytest.mark.parametrize("bits,group,residual", [(4, 32, 64), (2, 32, 0), (4, 16, 96)])
+def test_kivi_decode_reads_packed_blocks_and_the_residual(bits, group, residual):
+    from memos_ref.paged import PagedKV
+    from memos_ref.quant import KIVI
+    from memos_ref.spec import KVSpec
+
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=32, dtype=torch.float32)
+    kv = PagedKV(spec, 24, quant=KIVI(bits, group), residual_tokens=residual, staging_blocks=24, prefix_caching=False)
+    g = torch.Generator().manual_seed(bits + group)
+    seqs = []
+    for n in (150, 9, 64):
+        seq = kv.new_sequence()
+        for layer in range(2):
+            x = torch.randn(2, n, 32, generator=g) * 2
+            seq.append(layer, x, -x * 0.5)
+        seqs.append(seq)
+    assert kv.pool.seals > 0 and kv.pool.staged_blocks > 0 or residual == 0  # both kinds of block are read
+    tables = torch.full((3, 5), -1, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tables[i, : s.num_blocks] = torch.tensor(s.block_table)
+    lens = torch.tensor([s.num_tokens for s in seqs])
+    q = torch.randn(3, 8, 32, generator=g)
+    for layer in range(2):
+        got = tk.paged_decode_attention_kivi(q, kv.pool, layer, tables, lens, blocks_per_split=2)
+        blocks = kv.pool.read_blocks(torch.arange(24), layer)
+        want = paged_attention(q[:, :, None], blocks[:, 0], blocks[:, 1], tables, lens)[:, :, 0]
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
