@@ -316,7 +316,7 @@ def test_kivi_decode_reads_packed_blocks_and_the_residual(bits, group, residual)
             x = torch.randn(2, n, 32, generator=g) * 2
             seq.append(layer, x, -x * 0.5)
         seqs.append(seq)
-    assert kv.pool.seals > 0 and kv.pool.staged_blocks > 0 or residual == 0  # both kinds of block are read
+    assert (kv.pool.seals > 0 and kv.pool.staged_blocks > 0) or residual == 0  # both kinds of block are read
     tables = torch.full((3, 5), -1, dtype=torch.long)
     for i, s in enumerate(seqs):
         tables[i, : s.num_blocks] = torch.tensor(s.block_table)
