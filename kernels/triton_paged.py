@@ -256,6 +256,20 @@ def write_kv_fp8(
 
 # ---------------------------------------------------------------------- paged decode attention
 @triton.jit
+def _online_softmax_step(q, k, v, ok, m_i, l_i, acc, scale):
+    """Fold one block of keys ``k`` and values ``v`` ``[T, D]`` (valid rows ``ok``) into the running maximum
+    ``m_i``, sum ``l_i`` and accumulator ``acc`` of the query group ``q [GP, D]``."""
+    scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GP, T]
+    scores = tl.where(ok[None, :], scores, _NEG)
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    p = tl.where(ok[None, :], tl.exp(scores - m_new[:, None]), 0.0)  # [GP, T]
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, tables_ptr, lens_ptr,
     acc_ptr, m_ptr, l_ptr,
@@ -304,14 +318,7 @@ def _decode_split_kernel(
                 k = tl.load(kc_ptr + base, mask=ok[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
                 v = tl.load(vc_ptr + base, mask=ok[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
                 k, v = k * k_s, v * v_s
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GP, T]
-            scores = tl.where(ok[None, :], scores, _NEG)
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            p = tl.where(ok[None, :], tl.exp(scores - m_new[:, None]), 0.0)  # [GP, T]
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(q, k, v, ok, m_i, l_i, acc, scale)
     row = (b * tl.num_programs(1) + h) * num_splits + s  # partials [B, Hkv, S, GP, ...]
     tl.store(acc_ptr + (row * GP + g)[:, None] * D + d[None, :], acc)
     tl.store(m_ptr + row * GP + g, m_i)
@@ -492,14 +499,7 @@ def _decode_kivi_split_kernel(
                 k = kcode * tl.load(ks_ptr + kq).to(tl.float32) + tl.load(kz_ptr + kq).to(tl.float32)
                 vq = block * s_vb + h * s_vh + t[:, None] * s_vt + (d // GV)[None, :]
                 v = vcode * tl.load(vs_ptr + vq).to(tl.float32) + tl.load(vz_ptr + vq).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
-            scores = tl.where(ok[None, :], scores, _NEG)
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            p = tl.where(ok[None, :], tl.exp(scores - m_new[:, None]), 0.0)
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(q, k, v, ok, m_i, l_i, acc, scale)
     row = (b * tl.num_programs(1) + h) * num_splits + s
     tl.store(acc_ptr + (row * GP + g)[:, None] * D + d[None, :], acc)
     tl.store(m_ptr + row * GP + g, m_i)
