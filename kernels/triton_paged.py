@@ -94,10 +94,19 @@ def _check_write(
         raise ShapeError("key/value must be contiguous along head_dim")
     if key_cache.stride() != value_cache.stride():
         raise ShapeError("key and value caches must have the same strides (two views of one pool)")
-    return h, t, d
+    return h, t, d, slots.to(torch.int64)  # 64-bit offsets: block × stride overflows 32 bits past 2 GiB
 
 
 # ---------------------------------------------------------------------- write_kv
+@triton.jit
+def _token_slot(slots_ptr, T: tl.constexpr, D: tl.constexpr):
+    """The write kernels' program (token i, KV head h): the token's slot (-1 skips), its block and offset."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + i)
+    return i, h, slot, slot // T, slot % T, tl.arange(0, D)
+
+
 @triton.jit
 def _write_kv_kernel(
     key_ptr, value_ptr, slots_ptr, kc_ptr, vc_ptr,
@@ -105,13 +114,8 @@ def _write_kv_kernel(
     s_cb, s_ch, s_ct,
     T: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.load(slots_ptr + i)
+    i, h, slot, block, off, d = _token_slot(slots_ptr, T, D)
     if slot >= 0:
-        block = slot // T
-        off = slot % T
-        d = tl.arange(0, D)
         k = tl.load(key_ptr + i * s_kn + h * s_kh + d)
         v = tl.load(value_ptr + i * s_vn + h * s_vh + d)
         dst = block * s_cb + h * s_ch + off * s_ct + d
@@ -124,8 +128,7 @@ def write_kv(
 ) -> None:
     """Scatter ``key, value [n, H, D]`` into ``key_cache, value_cache [N, H, T, D]`` at ``slots [n]``
     (slot = block · T + offset; ``-1`` skips the token)."""
-    h, t, d = _check_write(key, value, slots, key_cache, value_cache, "none")
-    slots = slots.to(torch.int64)  # 64-bit offsets: block × stride overflows 32 bits in pools over 2 GiB
+    h, t, d, slots = _check_write(key, value, slots, key_cache, value_cache, "none")
     if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
         raise DTypeError(f"key/value dtype {key.dtype} does not match the cache's {key_cache.dtype}")
     if key.shape[0] == 0:
@@ -146,13 +149,8 @@ def _write_kv_int8_kernel(
     s_sb, s_sh, s_st,
     T: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.load(slots_ptr + i)
+    i, h, slot, block, off, d = _token_slot(slots_ptr, T, D)
     if slot >= 0:
-        block = slot // T
-        off = slot % T
-        d = tl.arange(0, D)
         dst = block * s_cb + h * s_ch + off * s_ct + d
         sdst = block * s_sb + h * s_sh + off * s_st
         for which in tl.static_range(2):
@@ -185,8 +183,7 @@ def write_kv_int8(
     """Reshape-and-cache with int8 quantization on write (per token and head, fp16 scale): the streaming int8
     path of the quantized pool. ``*_codes [N, H, T, D]`` int8, ``*_scale [N, H, T]`` fp16. Ties round half up
     (torch rounds half to even: codes can differ by one at exact halves)."""
-    h, t, d = _check_write(key, value, slots, key_codes, value_codes, "int8")
-    slots = slots.to(torch.int64)
+    h, t, d, slots = _check_write(key, value, slots, key_codes, value_codes, "int8")
     if key_scale.dtype != torch.float16 or key_scale.ndim != 3 or key_scale.stride() != value_scale.stride():
         raise DTypeError("scales must be fp16 [N, H, T] views of one payload")
     if key.shape[0] == 0:
@@ -208,13 +205,8 @@ def _write_kv_fp8_kernel(
     s_sb, s_sh,
     T: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.load(slots_ptr + i)
+    i, h, slot, block, off, d = _token_slot(slots_ptr, T, D)
     if slot >= 0:
-        block = slot // T
-        off = slot % T
-        d = tl.arange(0, D)
         dst = block * s_cb + h * s_ch + off * s_ct + d
         k_s = tl.load(ks_ptr + block * s_sb + h * s_sh)
         v_s = tl.load(vs_ptr + block * s_sb + h * s_sh)
@@ -238,9 +230,8 @@ def write_kv_fp8(
     """Reshape-and-cache into fp8 e4m3 blocks (codes as uint8 ``[N, H, T, D]``) with the per-(block, head)
     scales ``[N, H]`` fp32 already in place. The caller grows a scale, and re-encodes its block, before a token
     that needs more range is written (the quantized pool does): the kernel only encodes, saturating at ±448."""
-    h, t, d = _check_write(key, value, slots, key_codes, value_codes, "fp8")
+    h, t, d, slots = _check_write(key, value, slots, key_codes, value_codes, "fp8")
     _check_fp8(key.device)
-    slots = slots.to(torch.int64)
     if key_scale.dtype != torch.float32 or key_scale.ndim != 2 or key_scale.stride() != value_scale.stride():
         raise DTypeError("scales must be fp32 [N, H] views of one payload")
     if key.shape[0] == 0:
