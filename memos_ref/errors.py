@@ -8,6 +8,7 @@ the structure it was called on exactly as it was.
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentTypeError",
     "BackendDegradedWarning",
     "BackendUnavailableError",
     "CapacityExceededError",
@@ -16,6 +17,7 @@ __all__ = [
     "DTypeError",
     "DeviceError",
     "DoubleFreeError",
+    "InvalidArgumentError",
     "InvalidBlockError",
     "KVCacheError",
     "LayerIndexError",
@@ -24,6 +26,11 @@ __all__ = [
     "RefcountUnderflowError",
     "ShapeError",
     "StagingFullError",
+    "StateError",
+    "UnsupportedModelError",
+    "UseAfterFreeError",
+    "check_index",
+    "check_type",
 ]
 
 
@@ -49,6 +56,29 @@ class DeviceError(KVCacheError, ValueError):
 
 class LayerIndexError(KVCacheError, IndexError):
     """A layer index is outside ``[0, num_layers)``."""
+
+
+class ArgumentTypeError(KVCacheError, TypeError):
+    """A public API argument has the wrong type; the message names the argument, the expected type and the
+    type received."""
+
+
+class InvalidArgumentError(KVCacheError, ValueError):
+    """A public API argument has the right type but a value outside its domain (a negative index, a start past
+    the end, a NaN temperature); the message names the argument, the allowed range and the value received."""
+
+
+class StateError(KVCacheError, RuntimeError):
+    """An object was used in a state that does not allow the call (for example after it was freed or closed)."""
+
+
+class UseAfterFreeError(StateError):
+    """A sequence or cache was used after ``free()``; create a new one (or ``fork()`` before freeing)."""
+
+
+class UnsupportedModelError(ConfigError):
+    """A model uses a feature the paged cache does not implement (MLA, linear attention, softcapping, ...);
+    the message names the feature and what is supported instead. Raised before anything is written."""
 
 
 class CapacityExceededError(KVCacheError):
@@ -112,3 +142,37 @@ class InvariantError(KVCacheError, AssertionError):
 
 class BackendDegradedWarning(RuntimeWarning):
     """A remote backend stopped answering; until it returns, reads answer as misses and writes are dropped."""
+
+
+def check_type(name: str, value: object, expected: type | tuple[type, ...]) -> None:
+    """Raise :class:`ArgumentTypeError` unless ``value`` is an instance of ``expected``.
+
+    ``bool`` is refused where ``int`` is expected (``True`` is an ``int`` in Python, never a valid count).
+    """
+    types = expected if isinstance(expected, tuple) else (expected,)
+    if isinstance(value, bool) and bool not in types:
+        ok = False
+    else:
+        ok = isinstance(value, types)
+    if not ok:
+        names = " or ".join(t.__name__ for t in types)
+        raise ArgumentTypeError(f"{name}: expected {names}, got {type(value).__name__} ({value!r:.80})")
+
+
+def check_index(name: str, value: object, *, lo: int = 0, hi: int | None = None) -> int:
+    """Validate an integer index argument: an ``int`` (or 0-d integer tensor / numpy integer), not a bool,
+    with ``lo <= value <= hi`` (``hi`` inclusive, ``None`` = unbounded). Returns it as a Python ``int``.
+
+    Raises :class:`ArgumentTypeError` for a wrong type and :class:`InvalidArgumentError` for a value out of
+    range, each naming the argument, the expected range and the value received.
+    """
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ArgumentTypeError(f"{name}: expected int, got {type(value).__name__} ({value!r:.80})")
+    try:
+        v = value.__index__()  # type: ignore[attr-defined]
+    except TypeError as exc:  # a float tensor has __index__ but refuses it
+        raise ArgumentTypeError(f"{name}: expected int, got {type(value).__name__} ({value!r:.80})") from exc
+    if v < lo or (hi is not None and v > hi):
+        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise InvalidArgumentError(f"{name}: expected an integer in {bound}, got {v}")
+    return v
