@@ -14,6 +14,7 @@ Oracle (tests): every request's output equals generating it alone with transform
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,11 +23,20 @@ from typing import Any
 import torch
 
 from memos_ref.attention import attend_sequences
-from memos_ref.errors import ConfigError, OutOfBlocksError
+from memos_ref.errors import (
+    ArgumentTypeError,
+    CapacityExceededError,
+    ConfigError,
+    InvalidArgumentError,
+    OutOfBlocksError,
+    StateError,
+    check_index,
+    check_type,
+)
 from memos_ref.paged.sequence import SequenceCache
 from memos_ref.paged.store import PagedKV
 
-__all__ = ["Engine", "Request", "RequestStats"]
+__all__ = ["GREEDY_TEMPERATURE", "Engine", "Request", "RequestStats"]
 
 _ids = itertools.count()
 
@@ -41,9 +51,23 @@ class RequestStats:
     preemptions: int = 0
 
 
+#: Temperatures below this are treated as greedy (0): dividing logits by a vanishing temperature is argmax in
+#: the limit, and doing it literally overflows to inf/NaN.
+GREEDY_TEMPERATURE = 1e-4
+
+
 @dataclass
 class Request:
-    """A prompt to continue. ``temperature`` 0 is greedy; otherwise sampling with ``seed``."""
+    """A prompt to continue.
+
+    ``temperature`` 0 (or anything below :data:`GREEDY_TEMPERATURE`) is greedy; otherwise sampling with
+    ``seed``. Arguments are checked here and again, against the model's vocabulary, by :meth:`Engine.submit`
+    (:class:`~memos_ref.errors.ArgumentTypeError` / :class:`~memos_ref.errors.InvalidArgumentError`).
+
+    A request the engine could not serve — its prefill, decode step or sampling raised — ends with
+    ``finished`` set and the exception in ``error`` (``failed`` is True); ``output`` holds what it generated
+    before the failure. Its blocks are released and the other requests carry on.
+    """
 
     prompt: list[int]
     max_new_tokens: int
@@ -55,13 +79,39 @@ class Request:
     stats: RequestStats = field(default_factory=RequestStats)
     arrived: float = field(default_factory=time.perf_counter)
     finished: bool = False
+    error: BaseException | None = None
 
     def __post_init__(self) -> None:
-        if not self.prompt:
-            raise ConfigError("a request needs at least one prompt token")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        self.validate()
+        self.prompt = [int(t) for t in self.prompt]
+        self.stop_ids = tuple(int(t) for t in self.stop_ids)
+        self.temperature = float(self.temperature)
         self._generator = torch.Generator().manual_seed(self.seed)
+
+    @property
+    def failed(self) -> bool:
+        """True when the request ended with an error (see ``error``)."""
+        return self.error is not None
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Check every field (token ids against ``[0, vocab_size)`` when it is given); raises
+        :class:`ArgumentTypeError` or :class:`InvalidArgumentError` naming the field."""
+        check_type("prompt", self.prompt, (list, tuple))
+        if not self.prompt:
+            raise InvalidArgumentError("prompt: expected at least one token id, got an empty prompt")
+        hi = None if vocab_size is None else vocab_size - 1
+        for i, token in enumerate(self.prompt):
+            check_index(f"prompt[{i}]", token, lo=0, hi=hi)
+        check_index("max_new_tokens", self.max_new_tokens, lo=1)
+        check_type("temperature", self.temperature, (int, float))
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidArgumentError(
+                f"temperature: expected a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+            )
+        check_index("seed", self.seed, lo=0, hi=2**64 - 1)
+        check_type("stop_ids", self.stop_ids, (list, tuple))
+        for i, token in enumerate(self.stop_ids):
+            check_index(f"stop_ids[{i}]", token, lo=0, hi=hi)
 
 
 class _Rows:
@@ -82,6 +132,11 @@ class _Rows:
 class Engine:
     """Serves many requests on one model (the package's forward) over one :class:`PagedKV`.
 
+    A failure while serving one request (its admission, prefill, decode step or sampling raises) finishes
+    that request with the exception in ``request.error``, releases its blocks, and keeps serving the others:
+    a failed batched decode step is rolled back and retried row by row, so only the failing rows fail. Running
+    out of blocks is not a failure: the request waits (admission) or is preempted (decode).
+
     Args:
         model: a :class:`~memos_ref.model.llama.LlamaForward`.
         kv: the paged memory (single-segment pool).
@@ -89,25 +144,43 @@ class Engine:
     """
 
     def __init__(self, model: Any, kv: PagedKV, max_batch: int = 16) -> None:
+        if not callable(model) or not isinstance(getattr(getattr(model, "config", None), "vocab_size", None), int):
+            raise ArgumentTypeError(
+                f"model: expected the package's LlamaForward (memos_ref.model.load_model()), got {type(model).__name__}"
+            )
+        check_type("kv", kv, PagedKV)
+        check_index("max_batch", max_batch, lo=1)
         if len(kv.pool.segments) != 1:
             raise ConfigError("the engine needs a single-segment pool")
         self.model, self.kv, self.max_batch = model, kv, max_batch
+        self.vocab_size: int = model.config.vocab_size
         self.waiting: deque[Request] = deque()
         self.running: list[tuple[Request, SequenceCache]] = []
         self.finished: list[Request] = []
+        self.failures = 0  # requests finished with an error
         self.preemptions = 0
         self.deferred_admissions = 0  # times a waiting request could not start for lack of blocks
         self.steps = 0
 
     def submit(self, request: Request) -> Request:
+        """Queue a request. It is checked first — token ids in the model's vocabulary, every field in its
+        domain, not already submitted, a prompt the whole pool can hold (else
+        :class:`~memos_ref.errors.OutOfBlocksError`) — and nothing is queued when a check fails."""
+        check_type("request", request, Request)
+        request.validate(self.vocab_size)
+        if self.kv.spec.blocks_for(len(request.prompt) + 1) > self.kv.allocator.num_blocks:
+            raise self._too_long(len(request.prompt))  # the whole pool could not hold its prompt
+        if request.finished or any(r is request for r in self.waiting) or any(r is request for r, _ in self.running):
+            raise StateError(f"request {request.request_id} was already submitted; submit a new Request")
         self.waiting.append(request)
         return request
 
     # ------------------------------------------------------------------ scheduling
     def _sample(self, request: Request, logits: torch.Tensor) -> int:
-        if request.temperature <= 0:
+        if request.temperature < GREEDY_TEMPERATURE:
             return int(logits.argmax())
-        probs = torch.softmax(logits.float() / request.temperature, dim=-1)
+        scaled = (logits.float() - logits.float().max()) / request.temperature  # max 0: no overflow
+        probs = torch.softmax(scaled, dim=-1)
         return int(torch.multinomial(probs, 1, generator=request._generator))
 
     def _emit(self, request: Request, seq: SequenceCache, token: int) -> None:
@@ -118,33 +191,61 @@ class Engine:
         if token in request.stop_ids or len(request.output) >= request.max_new_tokens:
             request.finished = True
 
+    def _too_long(self, tokens: int) -> OutOfBlocksError:
+        return OutOfBlocksError(needed=self.kv.spec.blocks_for(tokens + 1), available=self.kv.allocator.num_blocks)
+
+    def _fail(self, request: Request, seq: SequenceCache | None, error: BaseException) -> None:
+        """Finish ``request`` with ``error``, releasing its blocks."""
+        if seq is not None:
+            seq.free()
+        request.error = error
+        request.finished = True
+        self.failures += 1
+        self.finished.append(request)
+
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
             request = self.waiting[0]
             ids = request.prompt + request.output  # after a preemption, recompute what was generated
+            if self.kv.spec.blocks_for(len(ids) + 1) > self.kv.allocator.num_blocks:  # can never run: fail it
+                self.waiting.popleft()
+                self._fail(request, None, self._too_long(len(ids)))
+                continue
             # the prompt's blocks, plus one more token for every running row (so admission cannot force the
             # next decode step to preempt what was just admitted)
             need = self.kv.spec.blocks_for(len(ids) + 1) + sum(seq.blocks_needed(1) for _, seq in self.running)
             if need > self.kv.allocator.num_available:
                 self.deferred_admissions += 1
                 return  # wait for blocks
-            self.waiting.popleft()
-            seq = self.kv.start_from_prefix(ids)
-            reused = seq.num_tokens
-            rest = torch.tensor([ids[reused:]])
+            seq: SequenceCache | None = None
             try:
-                with torch.inference_mode():
-                    logits = self.model(rest, _Rows([seq]), position_ids=torch.arange(reused, len(ids))[None])
-            except Exception:
-                seq.free()
-                self.waiting.appendleft(request)
-                raise
-            seq.set_token_ids(ids)
+                seq = self.kv.start_from_prefix(ids)
+                logits, reused = self._prefill(seq, ids)
+                token = self._sample(request, logits[0, -1])
+            except CapacityExceededError:  # not the request's fault: it waits at the head of the queue
+                if seq is not None:
+                    seq.free()
+                self.deferred_admissions += 1
+                return
+            except Exception as exc:
+                self.waiting.popleft()
+                self._fail(request, seq, exc)
+                continue
+            self.waiting.popleft()
             request.stats.prompt_tokens = len(request.prompt)
             request.stats.reused_tokens += reused
             request.stats.computed_tokens += len(ids) - reused
-            self._emit(request, seq, self._sample(request, logits[0, -1]))
+            self._emit(request, seq, token)
             self._retire_or_keep(request, seq)
+
+    def _prefill(self, seq: SequenceCache, ids: list[int]) -> tuple[torch.Tensor, int]:
+        """Compute the tokens of ``ids`` past ``seq``'s cached prefix; returns the logits and the reused count."""
+        reused = seq.num_tokens
+        rest = torch.tensor([ids[reused:]])
+        with torch.inference_mode():
+            logits = self.model(rest, _Rows([seq]), position_ids=torch.arange(reused, len(ids))[None])
+        seq.set_token_ids(ids)
+        return logits, reused
 
     def _retire_or_keep(self, request: Request, seq: SequenceCache) -> None:
         if request.finished:
@@ -155,6 +256,9 @@ class Engine:
 
     def _preempt(self) -> None:
         request, seq = self.running.pop()  # the most recently admitted
+        self._requeue(request, seq)
+
+    def _requeue(self, request: Request, seq: SequenceCache) -> None:
         seq.free()
         request.stats.preemptions += 1
         self.preemptions += 1
@@ -176,24 +280,64 @@ class Engine:
             self._preempt()
         if not self.running:
             return
-        batch = list(self.running)
+        batch, self.running = list(self.running), []
+        held = [seq.num_tokens for _, seq in batch]  # before the step: what a rollback returns to
+        try:
+            logits, elapsed = self._decode(batch)
+        except Exception:  # some row failed: undo the step, then decode row by row so only failing rows fail
+            for (_, seq), n in zip(batch, held):
+                _rollback(seq, n)
+            for request, seq in batch:
+                self._decode_one(request, seq)
+        else:
+            for row, (request, seq) in enumerate(batch):
+                self._finish_row(request, seq, logits[row, -1], elapsed)
+        self.steps += 1
+
+    def _decode(self, batch: list[tuple[Request, SequenceCache]]) -> tuple[torch.Tensor, float]:
+        """One batched decode step: every row gets its last token; returns the logits ``[B, 1, V]``."""
         last = torch.tensor([[req.output[-1]] for req, _ in batch])  # [B, 1]
         positions = torch.tensor([[seq.num_tokens] for _, seq in batch])  # each row at its own position
         started = time.perf_counter()
         with torch.inference_mode():
             logits = self.model(last, _Rows([seq for _, seq in batch]), position_ids=positions)
-        elapsed = time.perf_counter() - started
-        self.running = []
-        for row, (request, seq) in enumerate(batch):
+        for _, seq in batch:
+            if not seq.caught_up:  # a model that skipped a layer must not leave a half-written row behind
+                raise StateError(f"sequence {seq.seq_id} was not written in every layer by the decode step")
+        return logits, time.perf_counter() - started
+
+    def _decode_one(self, request: Request, seq: SequenceCache) -> None:
+        """Decode one row alone (after a failed batched step): on failure the row's request fails, or waits
+        again when the pool is out of room."""
+        held = seq.num_tokens
+        try:
+            logits, elapsed = self._decode([(request, seq)])
+        except CapacityExceededError:
+            _rollback(seq, held)
+            self._requeue(request, seq)
+            return
+        except Exception as exc:
+            self._fail(request, seq, exc)
+            return
+        self._finish_row(request, seq, logits[0, -1], elapsed)
+
+    def _finish_row(self, request: Request, seq: SequenceCache, logits: torch.Tensor, elapsed: float) -> None:
+        """Record the decoded token of one row and sample the next; a failure here fails only this request."""
+        try:
             seq.set_token_ids([request.output[-1]], start=seq.num_tokens - 1)
-            request.stats.token_latencies_s.append(elapsed)
-            request.stats.computed_tokens += 1
-            self._emit(request, seq, self._sample(request, logits[row, -1]))
-            self._retire_or_keep(request, seq)
-        self.steps += 1
+            token = self._sample(request, logits)
+        except Exception as exc:
+            self._fail(request, seq, exc)
+            return
+        request.stats.token_latencies_s.append(elapsed)
+        request.stats.computed_tokens += 1
+        self._emit(request, seq, token)
+        self._retire_or_keep(request, seq)
 
     def run(self, max_steps: int = 100_000) -> list[Request]:
-        """Step until every submitted request has finished; returns them in completion order."""
+        """Step until every submitted request has finished; returns them in completion order (failed ones
+        included: check ``request.failed``)."""
+        check_index("max_steps", max_steps, lo=1)
         for _ in range(max_steps):
             if not self.waiting and not self.running:
                 return self.finished
@@ -204,3 +348,13 @@ class Engine:
                 need = self.kv.spec.blocks_for(len(first.prompt) + len(first.output) + 1)
                 raise OutOfBlocksError(needed=need, available=self.kv.allocator.num_available)
         raise ConfigError(f"requests still unfinished after {max_steps} steps")
+
+
+def _rollback(seq: SequenceCache, n: int) -> None:
+    """Cut ``seq`` back to its first ``n`` tokens after a model step failed part-way (some layers written, a
+    block perhaps reserved): every layer back to ``n``, blocks past them freed."""
+    if seq._freed:
+        return
+    seq.layer_tokens = [min(t, n) for t in seq.layer_tokens]
+    seq.num_tokens = max(seq.layer_tokens)
+    seq.truncate(min(n, seq.num_tokens))

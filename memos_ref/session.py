@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
+import stat
 import threading
 import time
 import weakref
@@ -30,17 +33,30 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
 
-from memos_ref.errors import ConfigError, CorruptCacheError, ModelMismatchError, OutOfBlocksError
+from memos_ref.errors import (
+    ArgumentTypeError,
+    ConfigError,
+    CorruptCacheError,
+    InvalidArgumentError,
+    KVCacheError,
+    ModelMismatchError,
+    OutOfBlocksError,
+    UseAfterFreeError,
+    check_index,
+    check_type,
+)
 from memos_ref.hf import PagedCache
+from memos_ref.model.identity import fingerprint as model_identity
 from memos_ref.model.tokenizer import ByteTokenizer
 from memos_ref.paged.store import PagedKV
 from memos_ref.spec import KVSpec
 
 __all__ = ["CacheSession", "Memory", "Segment", "SegmentKind", "SessionManager"]
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 
 
 class SegmentKind(StrEnum):
@@ -94,6 +110,163 @@ def tool_set_key(tools: list[str]) -> str:
     return hashlib.sha256("\x00".join(sorted(tools)).encode()).hexdigest()[:12]
 
 
+#: Largest session manifest read (bytes): room for about four million token ids.
+MAX_MANIFEST_BYTES = 32 << 20
+#: Largest safetensors header accepted in a session tensor file, beyond the tensor's own bytes.
+MAX_TENSOR_HEADER_BYTES = 64 << 10
+_MANIFEST_FIELDS = frozenset(
+    {"format", "version", "fingerprint", "kv_spec", "token_ids", "segments", "sha256", "bytes", "manifest_sha256"}
+)
+_SEGMENT_FIELDS = frozenset({"kind", "seg_id", "start", "stop"})
+
+
+def _canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """SHA-256 of the canonical JSON (sorted keys, no spaces, ASCII) of every manifest field but
+    ``manifest_sha256`` itself."""
+    return hashlib.sha256(_canonical_json({k: v for k, v in manifest.items() if k != "manifest_sha256"})).hexdigest()
+
+
+def _read_bounded(path: Path, limit: int) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes; anything else (a FIFO, a device, a directory,
+    a larger file, a file that grows while read) is refused with :class:`CorruptCacheError`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except OSError as exc:
+        raise CorruptCacheError(f"cannot open {path}: {exc}") from None
+    with os.fdopen(fd, "rb") as fh:
+        info = os.fstat(fh.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCacheError(f"{path} is not a regular file")
+        if info.st_size > limit:
+            raise CorruptCacheError(f"{path} holds {info.st_size} bytes, more than the {limit} expected at most")
+        try:
+            data = fh.read(limit + 1)
+        except OSError as exc:
+            raise CorruptCacheError(f"cannot read {path}: {exc}") from None
+    if len(data) > limit:
+        raise CorruptCacheError(f"{path} grew past {limit} bytes while being read")
+    return data
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_manifest(raw: bytes, where: Path, vocab_size: int) -> dict[str, Any]:
+    """Parse and validate a session manifest; returns its fields plus ``spec`` (a :class:`KVSpec`) and
+    ``segments`` as :class:`Segment` objects. Raises :class:`CorruptCacheError` naming the bad field."""
+
+    def bad(what: str) -> CorruptCacheError:
+        return CorruptCacheError(f"{where}: {what}")
+
+    def refuse_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        manifest = json.loads(raw.decode("utf-8"), parse_constant=refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise bad(f"cannot read the session manifest: {str(exc)[:200]}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "memos-ref-session":
+        raise bad("is not a memos-ref session manifest (format 'memos-ref-session')")
+    if manifest.get("version") != MANIFEST_VERSION:
+        raise bad(
+            f"manifest version {manifest.get('version')!r} is not {MANIFEST_VERSION} (earlier versions are not "
+            f"checksummed as a whole and are refused: save the session again with this version)"
+        )
+    if set(manifest) != _MANIFEST_FIELDS:
+        raise bad(f"manifest fields {sorted(manifest)} are not the expected {sorted(_MANIFEST_FIELDS)}")
+    if manifest["manifest_sha256"] != manifest_checksum(manifest):
+        raise bad("the manifest does not match its checksum (modified or damaged)")
+    # The checksum only proves the manifest is intact, not that it was written by this package: check every field.
+    fingerprint = manifest["fingerprint"]
+    if not isinstance(fingerprint, str) or not 0 < len(fingerprint) <= 256:
+        raise bad(f"fingerprint must be a non-empty string of at most 256 characters, got {fingerprint!r:.80}")
+    digest = manifest["sha256"]
+    if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise bad(f"sha256 must be 64 lowercase hex digits, got {digest!r:.80}")
+    if not _is_int(manifest["bytes"]) or manifest["bytes"] < 0:
+        raise bad(f"bytes must be a non-negative int, got {manifest['bytes']!r:.80}")
+    spec_dict = manifest["kv_spec"]
+    try:
+        if not isinstance(spec_dict, dict):
+            raise TypeError(f"expected an object, got {type(spec_dict).__name__}")
+        spec = KVSpec.from_dict(spec_dict)
+    except (KVCacheError, KeyError, TypeError, ValueError, OverflowError) as exc:
+        raise bad(f"kv_spec is malformed: {exc}") from None
+    if spec.to_dict() != spec_dict:
+        raise bad(f"kv_spec {spec_dict} is not what KVSpec.to_dict() writes: {spec.to_dict()}")
+    tokens = manifest["token_ids"]
+    if not isinstance(tokens, list) or not tokens:
+        raise bad(f"token_ids must be a non-empty list, got {type(tokens).__name__}")
+    for i, t in enumerate(tokens):
+        if not _is_int(t) or not 0 <= t < vocab_size:
+            raise bad(f"token_ids[{i}] must be an int in [0, {vocab_size}), got {t!r:.80}")
+    manifest["spec"] = spec
+    manifest["segments"] = _parse_segments(manifest["segments"], len(tokens), bad)
+    return manifest
+
+
+def _parse_segments(raw: Any, num_tokens: int, bad: Callable[[str], CorruptCacheError]) -> list[Segment]:
+    """Segments in order, without overlap, inside ``[0, num_tokens]``."""
+    if not isinstance(raw, list):
+        raise bad(f"segments must be a list, got {type(raw).__name__}")
+    segments: list[Segment] = []
+    previous_stop = 0
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict) or set(item) != _SEGMENT_FIELDS:
+            raise bad(f"segments[{i}] must be an object with fields {sorted(_SEGMENT_FIELDS)}, got {item!r:.120}")
+        kind, seg_id, start, stop = item["kind"], item["seg_id"], item["start"], item["stop"]
+        if not isinstance(kind, str) or kind not in SegmentKind._value2member_map_:
+            raise bad(f"segments[{i}].kind must be one of {[k.value for k in SegmentKind]}, got {kind!r:.80}")
+        if not isinstance(seg_id, str) or len(seg_id) > 4096:
+            raise bad(f"segments[{i}].seg_id must be a string of at most 4096 characters, got {seg_id!r:.80}")
+        if not (_is_int(start) and _is_int(stop) and previous_stop <= start <= stop <= num_tokens):
+            raise bad(
+                f"segments[{i}] range [{start!r:.20}, {stop!r:.20}) must be ints with {previous_stop} <= start "
+                f"<= stop <= {num_tokens} (segments in order, inside the session's tokens)"
+            )
+        segments.append(Segment(SegmentKind(kind), seg_id, start, stop))
+        previous_stop = stop
+    return segments
+
+
+def _read_session_tensor(path: Path, manifest: dict[str, Any], spec: KVSpec) -> torch.Tensor:
+    """The KV ``[L, 2, H, S, D]`` of a session file, checked against its manifest before and after parsing:
+    size bounded by the geometry, checksum, exactly one tensor, the manifest's dtype (never converted) and
+    shape, finite values."""
+    expected = (spec.num_layers, 2, spec.num_kv_heads, len(manifest["token_ids"]), spec.head_dim)
+    payload = math.prod(expected) * spec.bytes_per_element
+    declared = manifest["bytes"]
+    if not payload + 8 <= declared <= payload + 8 + MAX_TENSOR_HEADER_BYTES:
+        raise CorruptCacheError(
+            f"{path}: the manifest declares {declared} bytes, but KV of shape {expected} in {spec.dtype} takes "
+            f"{payload} bytes plus a header of at most {MAX_TENSOR_HEADER_BYTES}"
+        )
+    data = _read_bounded(path, declared)
+    if len(data) != declared or hashlib.sha256(data).hexdigest() != manifest["sha256"]:
+        raise CorruptCacheError(f"{path} does not match its checksum (truncated or modified)")
+    try:
+        tensors = safetensors_load(data)
+    except Exception as exc:  # safetensors raises its own error types
+        raise CorruptCacheError(f"{path} is not a readable session tensor file: {str(exc)[:200]}") from None
+    if set(tensors) != {"kv"}:
+        raise CorruptCacheError(f"{path} must hold exactly one tensor 'kv', holds {sorted(tensors)}")
+    kv = tensors["kv"]
+    if kv.dtype != spec.dtype:
+        raise CorruptCacheError(
+            f"{path}: stored KV is {kv.dtype}, the manifest says {spec.dtype}; refusing to convert it"
+        )
+    if tuple(kv.shape) != expected:
+        raise CorruptCacheError(f"{path}: stored KV has shape {tuple(kv.shape)}, the manifest implies {expected}")
+    if kv.is_floating_point() and not bool(torch.isfinite(kv).all()):
+        raise CorruptCacheError(f"{path}: stored KV holds NaN or infinite values")
+    return kv
+
+
 class SessionManager:
     """Owns the paged memory, the model (the package's forward), and the system prompts and memories.
 
@@ -104,7 +277,15 @@ class SessionManager:
     """
 
     def __init__(self, model: Any, num_blocks: int = 1024, *, block_size: int = 16, fingerprint: str | None = None):
+        if not callable(getattr(model, "kv_spec", None)) or not _is_int(getattr(model.config, "vocab_size", None)):
+            raise ArgumentTypeError(
+                f"model: expected the package's LlamaForward (memos_ref.model.load_model()), got {type(model).__name__}"
+            )
+        check_index("num_blocks", num_blocks, lo=1)
+        check_index("block_size", block_size, lo=1)
+        check_type("fingerprint", fingerprint, (str, type(None)))
         self.model = model
+        self.vocab_size: int = model.config.vocab_size
         self.tok = ByteTokenizer()
         if fingerprint is None:
             fingerprint = self.fingerprint_of(model)
@@ -175,16 +356,16 @@ class SessionManager:
 
     @staticmethod
     def fingerprint_of(model: Any) -> str:
-        """SHA-256 over the model's config, parameter names, shapes, dtypes and every weight byte."""
-        digest = hashlib.sha256(json.dumps(getattr(model.config, "__dict__", {}), sort_keys=True, default=str).encode())
-        for name, tensor in sorted(model.state_dict().items()):
-            digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-            digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-        return digest.hexdigest()[:16]
+        """The model's fingerprint: an alias of :func:`memos_ref.model.identity.fingerprint` (the same id as
+        ``memos_ref.model.model_fingerprint()`` gives for the same weights by any route)."""
+        return model_identity(model)
 
     # ------------------------------------------------------------------ registry
     def register_system_prompt(self, name: str, version: str, text: str) -> None:
         """Record a system prompt version; sessions refer to it by (name, version)."""
+        check_type("name", name, str)
+        check_type("version", version, str)
+        check_type("text", text, str)
         with self._lock:
             key = (name, version)
             if key in self.system_prompts and self.system_prompts[key] != text:
@@ -204,6 +385,7 @@ class SessionManager:
     ) -> CacheSession:
         """A session starting with a registered system prompt, a tool set, and/or memories (in that order of
         preference: memories already contain what was before them)."""
+        _check_new_session_args(system, tools, memories)
         if memories:
             base = memories[-1]
             names = [m.name for m in memories]
@@ -240,6 +422,9 @@ class SessionManager:
 
     def build_memory(self, name: str, text: str, after: Memory | None = None) -> Memory:
         """Compute a memory's KV once (after ``after``'s, when memories are meant to be used together)."""
+        check_type("name", name, str)
+        check_type("text", text, str)
+        check_type("after", after, (Memory, type(None)))
         with self._lock:
             if name in self.memories:
                 raise ConfigError(f"a memory named {name!r} already exists")
@@ -263,63 +448,64 @@ class SessionManager:
         return [self.memories[n] for n in self._chain(memory)[:-1]]
 
     # ------------------------------------------------------------------ persistence
-    def load(self, path: str | Path) -> CacheSession:
-        """Load a session saved by :meth:`CacheSession.save`; refuses another model or KVSpec, or a damaged file."""
+    def load(self, path: str | os.PathLike[str]) -> CacheSession:
+        """Load a session saved by :meth:`CacheSession.save`.
+
+        Both files are untrusted: their sizes are bounded before they are read, the manifest's checksum covers
+        every field, and every field (types, lengths, token ids in the vocabulary, segment ranges, the KVSpec,
+        the tensor's dtype and shape) is checked before a block is allocated. Raises
+        :class:`~memos_ref.errors.CorruptCacheError` for a damaged or malformed file and
+        :class:`~memos_ref.errors.ModelMismatchError` for another model or KVSpec; a failed load leaves the
+        memory as it was (no block is allocated, none is leaked).
+        """
+        check_type("path", path, (str, os.PathLike))
         path = Path(path)
         manifest_path, tensor_path = path.with_suffix(".json"), path.with_suffix(".safetensors")
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except (OSError, ValueError) as exc:
-            raise CorruptCacheError(f"cannot read the session manifest {manifest_path}: {exc}") from None
-        required = ("fingerprint", "kv_spec", "token_ids", "segments", "sha256", "bytes")
-        if (
-            not isinstance(manifest, dict)
-            or manifest.get("format") != "memos-ref-session"
-            or manifest.get("version") != MANIFEST_VERSION
-            or any(key not in manifest for key in required)
-        ):
-            raise CorruptCacheError(
-                f"{manifest_path} is not a memos-ref session manifest (version {MANIFEST_VERSION}, fields {required})"
-            )
+        manifest = _parse_manifest(_read_bounded(manifest_path, MAX_MANIFEST_BYTES), manifest_path, self.vocab_size)
         if manifest["fingerprint"] != self.fingerprint:
             raise ModelMismatchError(
-                f"session was saved from model {manifest['fingerprint']}, this manager runs {self.fingerprint}"
+                f"session was saved from model {manifest['fingerprint']}, this manager runs {self.fingerprint}; "
+                f"load it with a manager on the model that saved it"
             )
-        try:
-            saved_spec = KVSpec.from_dict(manifest["kv_spec"])
-            segments = [
-                Segment(SegmentKind(x["kind"]), x["seg_id"], int(x["start"]), int(x["stop"]))
-                for x in manifest["segments"]
-            ]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptCacheError(f"{manifest_path} has a malformed field: {exc}") from None
+        saved_spec: KVSpec = manifest["spec"]
         if saved_spec.with_(block_size=self.spec.block_size) != self.spec:
             raise ModelMismatchError(f"session KVSpec {saved_spec.to_dict()} does not match {self.spec.to_dict()}")
-        try:
-            data = tensor_path.read_bytes()
-        except OSError as exc:
-            raise CorruptCacheError(f"cannot read {tensor_path}: {exc}") from None
-        if hashlib.sha256(data).hexdigest() != manifest["sha256"] or len(data) != manifest["bytes"]:
-            raise CorruptCacheError(f"{tensor_path} does not match its checksum (truncated or modified)")
-        try:
-            kv = load_file(str(tensor_path))["kv"]  # [L, 2, H, S, D]
-        except Exception as exc:  # safetensors raises its own error types
-            raise CorruptCacheError(f"{tensor_path} is not a readable session tensor file: {exc}") from None
-        tokens = manifest["token_ids"]
-        expected = (self.spec.num_layers, 2, self.spec.num_kv_heads, len(tokens), self.spec.head_dim)
-        if tuple(kv.shape) != expected:
-            raise CorruptCacheError(f"stored KV has shape {tuple(kv.shape)}, the manifest implies {expected}")
+        kv = _read_session_tensor(tensor_path, manifest, self.spec)  # [L, 2, H, S, D], validated
+        tokens: list[int] = manifest["token_ids"]
         # Loaded KV is salted by its file's checksum: it serves this session and its forks, but a file can never
         # plant blocks that other sessions would find by prefix.
-        salt = f"loaded:{manifest['sha256']}"
-        session = CacheSession(self, PagedCache(self.kv, cache_salt=salt), list(tokens), segments)
-        for layer in range(self.spec.num_layers):
-            session.cache.update(kv[layer, 0][None].to(self.spec.dtype), kv[layer, 1][None].to(self.spec.dtype), layer)
-        session.cache.set_token_ids(torch.tensor([tokens]))
-        return session
+        cache = PagedCache(self.kv, cache_salt=f"loaded:{manifest['sha256']}")
+        try:
+            for layer in range(self.spec.num_layers):
+                cache.update(kv[layer, 0][None], kv[layer, 1][None], layer)
+            cache.set_token_ids(torch.tensor([tokens]))
+        except BaseException:
+            cache.free()  # roll back: nothing of a failed load stays allocated
+            raise
+        return CacheSession(self, cache, list(tokens), manifest["segments"])
 
     def stats(self) -> dict[str, Any]:
         return self.kv.stats()
+
+
+def _segment_kind(kind: Any) -> SegmentKind:
+    """``kind`` as a :class:`SegmentKind` (its value as a string is accepted too)."""
+    check_type("kind", kind, (SegmentKind, str))
+    if kind not in SegmentKind._value2member_map_:
+        raise InvalidArgumentError(f"kind: expected one of {[k.value for k in SegmentKind]}, got {kind!r:.80}")
+    return SegmentKind(kind)
+
+
+def _check_new_session_args(system: Any, tools: Any, memories: Any) -> None:
+    check_type("system", system, (tuple, type(None)))
+    if system is not None and (len(system) != 2 or not all(isinstance(x, str) for x in system)):
+        raise ArgumentTypeError(f"system: expected a (name, version) tuple of two str, got {system!r:.80}")
+    check_type("tools", tools, (list, tuple, type(None)))
+    for i, tool in enumerate(tools or ()):
+        check_type(f"tools[{i}]", tool, str)
+    check_type("memories", memories, (list, tuple, type(None)))
+    for i, memory in enumerate(memories or ()):
+        check_type(f"memories[{i}]", memory, Memory)
 
 
 class CacheSession:
@@ -345,7 +531,7 @@ class CacheSession:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise ConfigError("this session was closed; start a new one")
+            raise UseAfterFreeError("this session was closed; start a new one (or fork() before closing)")
         with self._lock:
             self.last_active = self.manager.clock()
             if self.suspended:
@@ -449,6 +635,10 @@ class CacheSession:
 
     def append(self, kind: SegmentKind, seg_id: str, text: str) -> Segment:
         """Add a segment (a user turn, a tool result, …): its tokens are prefilled into the cache."""
+        kind = _segment_kind(kind)
+        check_type("seg_id", seg_id, str)
+        check_type("text", text, str)
+        self._refuse_closed()
         return self._with_room(lambda: self._append(kind, seg_id, text))
 
     def _append(self, kind: SegmentKind, seg_id: str, text: str) -> Segment:
@@ -470,6 +660,9 @@ class CacheSession:
 
     def generate(self, max_new_tokens: int, seg_id: str = "reply") -> str:
         """Greedy continuation as an assistant turn; returns its text."""
+        check_index("max_new_tokens", max_new_tokens, lo=0)
+        check_type("seg_id", seg_id, str)
+        self._refuse_closed()
         return self._with_room(lambda: self._generate(max_new_tokens, seg_id))
 
     def _generate(self, max_new_tokens: int, seg_id: str) -> str:
@@ -498,6 +691,7 @@ class CacheSession:
     # ------------------------------------------------------------------ agent operations
     def fork(self, n: int = 1) -> list[CacheSession]:
         """n sub-agent sessions sharing everything so far (blocks are shared, not copied)."""
+        check_index("n", n, lo=0)
         with self._lock:
             self._check_open()
             return [
@@ -513,6 +707,7 @@ class CacheSession:
         for the build and the switch, and readers never see a half-built session. ``events`` records each
         step with block counts.
         """
+        check_type("summary_text", summary_text, str)
         with self._lock:
             self._check_open()
             keep = []  # the leading system prompt, tools and memories stay; everything after is summarised
@@ -557,14 +752,21 @@ class CacheSession:
             self.prefill_reused += fresh.prefill_reused
 
     def close(self) -> None:
-        """Release the session's blocks (prefix-registered ones stay cached for reuse)."""
-        self.cache.free()
-        self.closed = True
+        """Release the session's blocks (prefix-registered ones stay cached for reuse). Closing twice is a
+        no-op; any other call on a closed session raises :class:`~memos_ref.errors.UseAfterFreeError`."""
+        with self._lock:
+            self.cache.free()
+            self.closed = True
+
+    def _refuse_closed(self) -> None:
+        if self.closed:
+            raise UseAfterFreeError("this session was closed; start a new one (or fork() before closing)")
 
     # ------------------------------------------------------------------ inspection and persistence
     def segments(self) -> list[dict[str, Any]]:
         """The segments — kind, id, token range — with their block ids and residency."""
         with self._lock:
+            self._refuse_closed()
             if self.suspended:
                 self._check_open()
             return self._segments()
@@ -583,8 +785,11 @@ class CacheSession:
         ]
 
     def save(self, path: str | Path) -> Path:
-        """Write ``path.safetensors`` (K/V ``[L, 2, H, S, D]``) and ``path.json`` (manifest with checksum)."""
+        """Write ``path.safetensors`` (K/V ``[L, 2, H, S, D]``) and ``path.json`` (manifest; its
+        ``manifest_sha256`` covers every other field, ``sha256`` the tensor file)."""
+        check_type("path", path, (str, os.PathLike))
         with self._lock:
+            self._refuse_closed()
             if self.suspended:
                 self._check_open()
             return self._save(Path(path))
@@ -593,9 +798,9 @@ class CacheSession:
         seq = self.cache.sequences[0]
         kv = torch.stack([torch.stack(seq.to_dense(layer)) for layer in range(self.manager.spec.num_layers)])
         tensor_path = path.with_suffix(".safetensors")
-        save_file({"kv": kv.contiguous()}, str(tensor_path))
-        data = tensor_path.read_bytes()
-        manifest = {
+        data = safetensors_save({"kv": kv.contiguous()})
+        tensor_path.write_bytes(data)
+        manifest: dict[str, Any] = {
             "format": "memos-ref-session",
             "version": MANIFEST_VERSION,
             "fingerprint": self.manager.fingerprint,
@@ -605,5 +810,6 @@ class CacheSession:
             "sha256": hashlib.sha256(data).hexdigest(),
             "bytes": len(data),
         }
+        manifest["manifest_sha256"] = manifest_checksum(manifest)
         path.with_suffix(".json").write_text(json.dumps(manifest))
         return path

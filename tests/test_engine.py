@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from memos_ref.engine import Engine, Request
-from memos_ref.errors import ConfigError
+from memos_ref.errors import InvalidArgumentError
 from memos_ref.model.tokenizer import ByteTokenizer
 from memos_ref.paged import PagedKV
 
@@ -85,16 +85,16 @@ def test_sampling_is_seeded_and_stop_ids_end_requests(shipped_pair):
     stopped = engine.submit(Request(prompt, 20, stop_ids=(stop,)))
     engine.run()
     assert stopped.output == greedy.output[: greedy.output.index(stop) + 1]
-    with pytest.raises(ConfigError):
+    with pytest.raises(InvalidArgumentError):
         Request([], 3)
 
 
-def test_a_request_that_can_never_fit_raises(shipped_pair):
+def test_a_request_that_can_never_fit_is_refused_at_submission(shipped_pair):
     from memos_ref.errors import OutOfBlocksError
 
     ours, _ = shipped_pair
     engine = Engine(ours, PagedKV(ours.kv_spec(block_size=8), 2))
-    engine.submit(Request(list(range(40)), 4))
     with pytest.raises(OutOfBlocksError):
-        engine.run()
+        engine.submit(Request(list(range(40)), 4))
+    assert not engine.waiting and engine.run() == []
     assert engine.kv.allocator.num_active == 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from memos_ref.caches import ContiguousCache
-from memos_ref.errors import ConfigError, CorruptCacheError, ModelMismatchError
+from memos_ref.errors import ConfigError, CorruptCacheError, ModelMismatchError, UseAfterFreeError
 from memos_ref.session import SegmentKind, SessionManager, tool_set_key
 
 SYSTEM = "You are a careful Python agent. Read files before editing them; keep functions small.\n" * 3
@@ -187,7 +187,7 @@ def test_failures_leave_the_session_as_it_was_and_closed_sessions_refuse(shipped
         small.new_session(system=("agent", "v1")).compact("y" * 200)
     small.kv.check()
     session.close()
-    with pytest.raises(ConfigError, match="closed"):
+    with pytest.raises(UseAfterFreeError, match="closed"):
         session.append(SegmentKind.USER, "u", "hi")
 
 

@@ -7,7 +7,6 @@ package's own forward pass.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from importlib import resources
@@ -16,6 +15,8 @@ from typing import Any
 
 import torch
 
+from memos_ref.errors import check_type
+from memos_ref.model.identity import fingerprint
 from memos_ref.model.llama import LlamaConfig, LlamaForward
 from memos_ref.model.tokenizer import SPECIAL_TOKENS, ByteTokenizer
 
@@ -24,6 +25,7 @@ __all__ = [
     "ByteTokenizer",
     "LlamaConfig",
     "LlamaForward",
+    "fingerprint",
     "load_hf_model",
     "load_model",
     "model_fingerprint",
@@ -39,6 +41,7 @@ def shipped_model_dir() -> Path:
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.float32) -> LlamaForward:
     """The package's teaching forward, on the shipped weights unless ``path`` names another folder."""
+    check_type("path", path, (str, os.PathLike, type(None)))
     return LlamaForward.from_pretrained(path or shipped_model_dir(), dtype=dtype)
 
 
@@ -53,18 +56,15 @@ def load_hf_model(path: str | Path | None = None, dtype: torch.dtype = torch.flo
     return model.eval()
 
 
-def model_fingerprint(path: str | Path | None = None) -> str:
-    """A short id of a model's weights and config: SHA-256 over ``config.json`` and ``model.safetensors``.
+def model_fingerprint(source: Any = None) -> str:
+    """A short id of a model's weights and config, the one every stored KV carries (prefix hashes, tier
+    blocks, saved sessions) so that KV from one model is never loaded into another.
 
-    Stored KV carries it so that KV from one model is never loaded into another.
+    ``source`` is a model (the package's forward or the transformers model), a model folder, or ``None`` for
+    the shipped model; the same weights give the same id by every route. An alias of
+    :func:`memos_ref.model.identity.fingerprint`.
     """
-    folder = Path(path or shipped_model_dir())
-    digest = hashlib.sha256()
-    for name in ("config.json", "model.safetensors"):
-        with open(folder / name, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()[:16]
+    return fingerprint(source)
 
 
 def training_report(path: str | Path | None = None) -> dict[str, Any]:

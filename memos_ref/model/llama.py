@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +25,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from memos_ref.errors import ConfigError, ShapeError
+from memos_ref.errors import ConfigError, DTypeError, InvalidArgumentError, ShapeError, check_index, check_type
 from memos_ref.spec import KVSpec, dtype_from_name
 
 __all__ = ["LlamaConfig", "LlamaForward", "apply_rope", "rope_cos_sin"]
 
 _SUPPORTED = ("llama", "mistral", "qwen2")
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class LlamaConfig:
     @classmethod
     def from_hf_dict(cls, cfg: Mapping[str, Any]) -> LlamaConfig:
         """Read a transformers ``config.json`` dict (Llama, Mistral or Qwen2)."""
+        check_type("cfg", cfg, Mapping)
         model_type = cfg.get("model_type", "llama")
         if model_type not in _SUPPORTED:
             raise ConfigError(f"model_type {model_type!r} is not supported: expected one of {_SUPPORTED}")
@@ -65,6 +68,9 @@ class LlamaConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ConfigError(f"rope type {rope_type!r} is not supported by the teaching forward: expected 'default'")
+        missing = [k for k in _REQUIRED if k not in cfg]
+        if missing:
+            raise ConfigError(f"config is missing {missing}: a Llama-family config.json needs {list(_REQUIRED)}")
         window = None
         if (model_type == "mistral" and cfg.get("sliding_window")) or (
             model_type == "qwen2" and cfg.get("use_sliding_window") and cfg.get("sliding_window")
@@ -207,6 +213,7 @@ class LlamaForward(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str = torch.float32) -> LlamaForward:
         """Load ``config.json`` and ``model.safetensors`` from a folder (no pickle, no network)."""
+        check_type("path", path, (str, os.PathLike))
         path = Path(path)
         cfg = LlamaConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
         model = cls(cfg)
@@ -236,8 +243,9 @@ class LlamaForward(nn.Module):
         ``attention_mask [B, past + S]`` (1 = real token, 0 = padding; left padding) is optional; without it
         every token is real. Positions continue from ``cache.get_seq_length()``.
         """
-        if input_ids.ndim != 2:
-            raise ShapeError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        self._check_ids(input_ids)
+        check_type("attention_mask", attention_mask, (torch.Tensor, type(None)))
+        check_type("position_ids", position_ids, (torch.Tensor, type(None)))
         b, s = input_ids.shape
         past = cache.get_seq_length() if cache is not None else 0
         total = past + s
@@ -266,6 +274,20 @@ class LlamaForward(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask, cache, paged)
         return self.lm_head(self.model.norm(x))
+
+    def _check_ids(self, input_ids: Any) -> None:
+        """``input_ids``: an integer tensor ``[B, S]`` of ids in ``[0, vocab_size)``."""
+        check_type("input_ids", input_ids, torch.Tensor)
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise DTypeError(f"input_ids: expected an integer tensor (torch.long), got {input_ids.dtype}")
+        if input_ids.ndim != 2:
+            raise ShapeError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if input_ids.numel():
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise InvalidArgumentError(
+                    f"input_ids: expected token ids in [0, {self.config.vocab_size}), got ids from {lo} to {hi}"
+                )
 
     @staticmethod
     def _mask(b, s, past, attention_mask, device) -> torch.Tensor:
@@ -300,6 +322,8 @@ class LlamaForward(nn.Module):
         A row that has produced ``eos_token_id`` is filled with ``pad_token_id`` (default: the EOS id) from
         then on; decoding stops when every row has finished. Returns prompt + new tokens ``[B, S + n]``.
         """
+        self._check_ids(input_ids)
+        check_index("max_new_tokens", max_new_tokens, lo=0)
         ids = input_ids
         mask = attention_mask
         step_input = ids

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from memos_ref.errors import ConfigError
+from memos_ref.errors import ArgumentTypeError, ConfigError, check_type
 
 __all__ = ["SPECIAL_TOKENS", "ByteTokenizer"]
 
@@ -41,6 +41,7 @@ class ByteTokenizer:
 
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         """UTF-8 bytes of ``text`` as ids, optionally framed by BOS/EOS."""
+        check_type("text", text, str)
         ids = list(text.encode("utf-8"))
         if add_bos:
             ids.insert(0, self.bos_id)
@@ -55,6 +56,9 @@ class ByteTokenizer:
         out = bytearray()
         parts: list[str] = []
         for i in ids:
+            if isinstance(i, bool) or not hasattr(i, "__index__"):
+                raise ArgumentTypeError(f"ids: expected int token ids, got {type(i).__name__} ({i!r:.40})")
+            i = i.__index__()
             if 0 <= i < 256:
                 out.append(i)
             elif i in self.id_to_special:
