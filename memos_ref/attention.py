@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from memos_ref.errors import ShapeError
+from memos_ref.errors import ArgumentTypeError, InvalidArgumentError, ShapeError, check_type
 
 if TYPE_CHECKING:
     from memos_ref.paged.sequence import SequenceCache
@@ -21,23 +21,105 @@ if TYPE_CHECKING:
 __all__ = ["attend_sequences", "dense_attention", "gather_kv", "paged_attention"]
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+def _check_options(
+    scale: float | None, sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None, hq: int
+) -> None:
+    """Validate the optional attention features (before anything is computed)."""
+    if scale is not None:
+        check_type("scale", scale, (int, float))
+    if sliding_window is not None:
+        check_type("sliding_window", sliding_window, int)
+        if sliding_window <= 0:
+            raise InvalidArgumentError(f"sliding_window: expected a positive int (keys kept), got {sliding_window}")
+    if softcap is not None:
+        check_type("softcap", softcap, (int, float))
+        if not softcap > 0:
+            raise InvalidArgumentError(f"softcap: expected a positive float, got {softcap}")
+    if sinks is not None:
+        check_type("sinks", sinks, torch.Tensor)
+        if sinks.shape != (hq,):
+            raise ShapeError(f"sinks: expected one logit per query head [{hq}], got {tuple(sinks.shape)}")
+
+
+def _mask_rows(mask: torch.Tensor, h: int, group: int, nq: int, s: int) -> torch.Tensor:
+    """An attention mask ``[Q, S]``, ``[1, Q, S]`` or ``[Hq, Q, S]`` in the ``[H or 1, G·Q, S]`` row order of
+    :func:`dense_attention` (bool: True = may attend; float: added to the logits)."""
+    if mask.ndim == 2:
+        mask = mask[None]
+    if mask.ndim != 3 or mask.shape[1:] != (nq, s) or mask.shape[0] not in (1, h * group):
+        raise ShapeError(
+            f"attention mask: expected [{nq}, {s}], [1, {nq}, {s}] or [{h * group}, {nq}, {s}] "
+            f"(queries, keys), got {tuple(mask.shape)}"
+        )
+    if mask.shape[0] == 1:
+        return mask.repeat(1, group, 1)  # [1, G·Q, S]
+    return mask.reshape(h, group * nq, s)  # [H, G·Q, S]
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal GQA attention of the *last* ``Q`` positions: ``q [Hq, Q, D]`` against ``k, v [H, S, D]``.
 
     Query i sits at absolute position ``S - Q + i`` and sees keys ``0..S-Q+i``. Scores and softmax in fp32.
+
+    Optional features (each as transformers' eager attention computes it):
+
+    * ``mask``: ``[Q, S]``, ``[1, Q, S]`` or ``[Hq, Q, S]``; bool (True = may attend, e.g. padding) or float
+      (added to the logits), combined with the causal mask. A query that may attend to no key (a left-padding
+      position) gets zeros, not NaN.
+    * ``sliding_window``: query at position p sees only keys ``p - W + 1 .. p`` (the last ``W``).
+    * ``softcap``: logits become ``tanh(logits / c) · c`` (Gemma 2), before masking.
+    * ``sinks``: ``[Hq]`` one extra logit per query head in the softmax denominator (GPT-OSS ``s_aux``):
+      ``p_j = exp(l_j) / (exp(sink) + Σ exp(l_i))``.
     """
+    for name, value in (("q", q), ("k", k), ("v", v)):
+        check_type(name, value, torch.Tensor)
+    if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or q.shape[2] != k.shape[2]:
+        raise ShapeError(
+            f"expected q [Hq, Q, D] and k, v [H, S, D] of one D, got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
     hq, nq, d = q.shape
     h, s, _ = k.shape
     if hq % h:
         raise ShapeError(f"query heads ({hq}) must be a multiple of KV heads ({h})")
+    if nq > s:
+        raise ShapeError(f"{nq} queries but only {s} keys: the queries are the newest of the keys")
+    _check_options(scale, sliding_window, softcap, sinks, hq)
+    if mask is not None:
+        check_type("mask", mask, torch.Tensor)
     group = hq // h
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     qg = q.reshape(h, group * nq, d)  # [H, G·Q, D]: the query heads of each KV head together
     scores = (qg @ k.transpose(-1, -2)).float() * scale  # [H, G·Q, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     q_pos = torch.arange(s - nq, s, device=q.device).repeat(group)  # [G·Q]
-    allowed = torch.arange(s, device=q.device)[None, :] <= q_pos[:, None]  # [G·Q, S]
+    k_pos = torch.arange(s, device=q.device)
+    allowed = k_pos[None, :] <= q_pos[:, None]  # [G·Q, S]
+    if sliding_window is not None:
+        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    out = scores.softmax(-1).to(v.dtype) @ v  # [H, G·Q, D]
+    if mask is not None:
+        rows = _mask_rows(mask.to(q.device), h, group, nq, s)  # [H or 1, G·Q, S]
+        scores = scores.masked_fill(~rows, float("-inf")) if rows.dtype == torch.bool else scores + rows.float()
+    if sinks is not None:
+        sink = sinks.to(q.device).float().reshape(h, group, 1).repeat_interleave(nq, dim=1)  # [H, G·Q, 1]
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    if mask is not None or sliding_window is not None:
+        probs = probs.nan_to_num(0.0)  # a query that may see no key (left padding) attends to nothing
+    out = probs.to(v.dtype) @ v  # [H, G·Q, D]
     return out.reshape(hq, nq, d)
 
 
@@ -63,6 +145,10 @@ def paged_attention(
     *,
     query_lens: torch.Tensor | None = None,
     scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's newest tokens over its paged K/V (decode: one query; chunked prefill: many).
 
@@ -73,21 +159,46 @@ def paged_attention(
         seq_lens: ``[B]`` tokens in each sequence, the new ones included.
         query_lens: ``[B]`` new tokens per sequence (default: Q for all).
         scale: softmax scale (default ``1/sqrt(D)``).
+        mask: ``[B, 1 or Hq, Q, K]`` with ``K >= max(seq_lens)`` (key j = position j of the sequence), bool
+            (True = may attend) or float (added to the logits): padding, or any pattern transformers built.
+        sliding_window, softcap, sinks: as in :func:`dense_attention`.
 
     Returns:
         ``[B, Hq, Q, D]``; rows past a sequence's ``query_lens`` are zero.
     """
-    b, _, nq, d = query.shape
+    for name, value in (
+        ("query", query),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+    ):
+        check_type(name, value, torch.Tensor)
+    if query.ndim != 4:
+        raise ShapeError(f"query: expected [batch, q_heads, queries, head_dim], got {tuple(query.shape)}")
+    b, hq, nq, d = query.shape
     if key_cache.shape != value_cache.shape or key_cache.ndim != 4 or key_cache.shape[3] != d:
         raise ShapeError(
             f"key/value caches must both be [num_blocks, kv_heads, block_size, head_dim={d}], got "
             f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
         )
-    if block_tables.shape[0] != b or seq_lens.shape != (b,):
+    if block_tables.ndim != 2 or block_tables.shape[0] != b or seq_lens.shape != (b,):
         raise ShapeError(
             f"block_tables [{b}, *] and seq_lens [{b}] expected, got {tuple(block_tables.shape)} "
             f"and {tuple(seq_lens.shape)}"
         )
+    for name, value in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_lens", query_lens)):
+        if value is not None and (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+            raise ArgumentTypeError(f"{name}: expected an integer tensor, got dtype {value.dtype}")
+    _check_options(scale, sliding_window, softcap, sinks, hq)
+    if mask is not None:
+        check_type("mask", mask, torch.Tensor)
+        longest = int(seq_lens.max()) if b else 0
+        if mask.ndim != 4 or mask.shape[0] not in (1, b) or mask.shape[2] != nq or mask.shape[3] < longest:
+            raise ShapeError(
+                f"mask: expected [{b}, 1 or {hq}, {nq}, >= {longest}] (batch, heads, queries, keys), got "
+                f"{tuple(mask.shape)}"
+            )
     query_lens = query_lens if query_lens is not None else torch.full((b,), nq, dtype=torch.long)
     out = torch.zeros_like(query)
     for i in range(b):
@@ -97,22 +208,62 @@ def paged_attention(
         if nq_i > n or nq_i > nq:
             raise ShapeError(f"sequence {i}: {nq_i} queries but {n} tokens (and Q={nq})")
         k, v = gather_kv(key_cache, value_cache, block_tables[i], n)
-        out[i, :, :nq_i] = dense_attention(query[i, :, :nq_i], k, v, scale=scale)
+        row_mask = None if mask is None else mask[i if mask.shape[0] > 1 else 0, :, :nq_i, :n]
+        out[i, :, :nq_i] = dense_attention(
+            query[i, :, :nq_i],
+            k,
+            v,
+            scale=scale,
+            mask=row_mask,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=sinks,
+        )
     return out
 
 
+def _drop_trivial_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """``None`` for a bool mask that allows everything (so a decode step can still take the kernel)."""
+    if mask is not None and mask.dtype == torch.bool and bool(mask.all()):
+        return None
+    return mask
+
+
 def attend_sequences(
-    query: torch.Tensor, sequences: Sequence[SequenceCache], layer: int, *, scale: float | None = None
+    query: torch.Tensor,
+    sequences: Sequence[SequenceCache],
+    layer: int,
+    *,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's newest queries ``[B, Hq, Q, D]`` over its own pages in one layer.
 
     Builds the block tables and lengths :func:`paged_attention` takes (the call a kernel replaces); a pool in
     several segments has no single cache tensor, and a quantized pool must be decoded, so their sequences are
-    gathered (dequantized on read) one by one instead.
+    gathered (dequantized on read) one by one instead. ``mask``, ``sliding_window``, ``softcap`` and ``sinks``
+    are those of :func:`paged_attention`; a decode step with any of them runs the reference, not the kernel.
     """
+    check_type("query", query, torch.Tensor)
+    if not sequences:
+        raise InvalidArgumentError("sequences: expected at least one sequence, got none")
+    if query.ndim != 4 or query.shape[0] != len(sequences):
+        raise ShapeError(f"query: expected [{len(sequences)}, q_heads, queries, head_dim], got {tuple(query.shape)}")
+    mask = _drop_trivial_mask(mask)
+    extras = dict(mask=mask, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     pool = sequences[0].pool
     if len(pool.segments) != 1 or getattr(pool, "quantized", False):  # gather (and dequantize) per sequence
-        rows = [dense_attention(query[i], *seq.to_dense(layer), scale=scale) for i, seq in enumerate(sequences)]
+        lens = torch.tensor([seq.layer_tokens[layer] for seq in sequences])
+        if mask is not None and (mask.ndim != 4 or mask.shape[3] < int(lens.max())):
+            raise ShapeError(f"mask: expected [batch, heads, queries, >= {int(lens.max())}], got {tuple(mask.shape)}")
+        rows = []
+        for i, seq in enumerate(sequences):
+            row_mask = None if mask is None else mask[i if mask.shape[0] > 1 else 0, :, :, : int(lens[i])]
+            k, v = seq.to_dense(layer)
+            rows.append(dense_attention(query[i], k, v, scale=scale, **{**extras, "mask": row_mask}))
         return torch.stack(rows)
     widest = max(seq.num_blocks for seq in sequences)
     tables = torch.full((len(sequences), widest), -1, dtype=torch.long)  # [B, max_blocks], -1 = padding
@@ -120,10 +271,11 @@ def attend_sequences(
         tables[i, : seq.num_blocks] = seq.block_table_tensor()
     lens = torch.tensor([seq.layer_tokens[layer] for seq in sequences])  # [B]
     view = pool.layer_view(layer)  # [num_blocks, 2, H, T, D]
-    if query.shape[2] == 1:  # a decode step: the kernel when memos_ref.ops says so, else the reference
+    plain = all(value is None for value in extras.values())
+    if query.shape[2] == 1 and plain:  # a decode step: the kernel when memos_ref.ops says so, else the reference
         from memos_ref import ops
 
         device = view.device
         out = ops.paged_decode(query[:, :, 0], view[:, 0], view[:, 1], tables.to(device), lens.to(device), scale=scale)
         return out[:, :, None]
-    return paged_attention(query, view[:, 0], view[:, 1], tables, lens, scale=scale)
+    return paged_attention(query, view[:, 0], view[:, 1], tables, lens, scale=scale, **extras)

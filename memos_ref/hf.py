@@ -11,64 +11,228 @@ How attention reads the pages, three ways:
   :func:`memos_ref.attention.paged_attention` on the pool;
 * a transformers model loaded with ``attn_implementation="memos_paged"`` (after
   :func:`register_paged_attention`) and a ``PagedCache(kv, direct=True)`` does the same: ``update`` returns a
-  handle instead of dense K/V, and the registered attention function attends over the pages (unpadded
-  batches only: transformers passes custom attention functions no mask);
+  handle instead of dense K/V, and the registered attention function attends over the pages, honouring the
+  attention mask (left padding), sliding windows, logit softcapping (Gemma 2) and attention sinks (GPT-OSS);
 * otherwise ``update`` gathers each row's blocks into a dense ``[B, H, S, D]`` tensor every step, which any
   attention implementation accepts.
 
 In this reference all three still gather per sequence inside torch (``bench decode`` measures the cost beside
 the contiguous cache); a kernel that reads the pool in place (``memos_kernels``) removes the copy behind the
 same two seams.
+
+Lifetime: ``free()`` (or leaving a ``with PagedCache(kv) as cache:`` block) returns the blocks at once; a cache
+dropped without ``free()`` returns them when it is garbage-collected; ``copy.deepcopy(cache)`` is ``fork()``
+(the copies share blocks copy-on-write); a freed cache raises :class:`UseAfterFreeError`.
 """
 
 from __future__ import annotations
 
+import gc
+import sys
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from memos_ref.errors import ConfigError, DeviceError, DTypeError, OutOfBlocksError, ShapeError
+from memos_ref.errors import (
+    ConfigError,
+    DeviceError,
+    DTypeError,
+    InvalidArgumentError,
+    LayerIndexError,
+    OutOfBlocksError,
+    ShapeError,
+    StateError,
+    UnsupportedModelError,
+    UseAfterFreeError,
+    check_type,
+)
 from memos_ref.paged.sequence import SequenceCache
 from memos_ref.paged.store import PagedKV
+from memos_ref.spec import check_supported_config, warn_sliding, warn_sliding_window
 
 __all__ = ["PAGED_ATTENTION", "PagedCache", "PagedLayer", "PagedView", "register_paged_attention"]
 
 #: The name under which :func:`register_paged_attention` registers the paged attention function.
 PAGED_ATTENTION = "memos_paged"
 
+_MLA_HINT = (
+    "K and V of different widths, as in multi-head latent attention (DeepSeek-V2/V3): MLA is not supported — "
+    "the paged pool stores K and V of one head_dim; use transformers' DynamicCache for it"
+)
+_LINEAR_HINT = (
+    "a hybrid linear-attention / state-space model (Qwen3-Next, ...) asked the cache for recurrent state: linear "
+    "attention is not supported by PagedCache, which holds only K/V of attention layers; use the model's own cache"
+)
+
 
 class PagedView:
-    """What ``PagedCache(direct=True).update`` returns instead of dense K/V: which cache and layer to read."""
+    """What ``PagedCache(direct=True).update`` returns instead of dense K/V: which cache and layer to read.
 
-    __slots__ = ("cache", "layer")
+    It holds the cache weakly (a layer keeps its last view; a strong reference would keep the cache alive)."""
+
+    __slots__ = ("_cache", "layer")
 
     def __init__(self, cache: PagedCache, layer: int) -> None:
-        self.cache, self.layer = cache, layer
+        self._cache, self.layer = weakref.ref(cache), layer
+
+    @property
+    def cache(self) -> PagedCache:
+        cache = self._cache()
+        if cache is None:
+            raise StateError("this PagedView outlived its PagedCache (views are valid during one forward step)")
+        return cache
 
 
-def _paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function: attend over the pages when given a :class:`PagedView`, else SDPA."""
-    if isinstance(key, PagedView):
-        out = key.cache._attend_stored(query, key.layer, scaling)  # [B, Hq, S, D]
-        return out.transpose(1, 2).contiguous(), None
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+# ---------------------------------------------------------------------------------------------- attention
+def _paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: Any,
+    value: Any,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: attend over the pages when given a :class:`PagedView`, else dense.
 
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    Honours the attention mask transformers built (padding, sliding window; registered as an SDPA-style bool
+    mask), ``sliding_window``, ``softcap`` (Gemma 2) and ``s_aux`` attention sinks (GPT-OSS). Features it does
+    not implement raise :class:`UnsupportedModelError` instead of computing something else.
+    """
+    if not isinstance(key, PagedView):
+        return _dense_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=scaling,
+            dropout=dropout,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            s_aux=s_aux,
+            **kwargs,
+        )
+    _refuse_unsupported(module, dropout, kwargs)
+    cache = key.cache
+    if sliding_window is not None:
+        cache._note_sliding(int(sliding_window))
+    mask = _pages_mask(attention_mask, query)
+    out = cache._attend_stored(  # [B, Hq, S, D]
+        query, key.layer, scaling, mask=mask, sliding_window=sliding_window, softcap=softcap, sinks=s_aux
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _refuse_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
+    if dropout and getattr(module, "training", False):
+        raise UnsupportedModelError(f"attention dropout ({dropout}) in training mode is not supported by PagedCache")
+    if kwargs.get("is_causal", True) is False or getattr(module, "is_causal", True) is False:
+        raise UnsupportedModelError("bidirectional (non-causal) attention is not supported by PagedCache")
+    for name in ("position_bias", "head_mask", "attention_bias", "alibi"):
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelError(f"attention with {name} is not supported by PagedCache(direct=True)")
+
+
+def _pages_mask(mask: Any, query: torch.Tensor) -> torch.Tensor | None:
+    """transformers' mask as ``[B, 1|Hq, Q, K]`` (bool: may attend, or float: added), or ``None``."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise UnsupportedModelError(
+            f"attention mask of type {type(mask).__name__} (e.g. a flex BlockMask) is not supported by "
+            f"PagedCache(direct=True); load the model with attn_implementation={PAGED_ATTENTION!r}"
+        )
+    if mask.ndim == 2:  # [B, K] padding mask: every query sees the same keys (causality is applied separately)
+        mask = mask.bool()[:, None, None, :].expand(-1, 1, query.shape[2], -1)
+    if mask.ndim != 4:
+        raise ShapeError(f"attention mask: expected [batch, 1 or heads, queries, keys], got {tuple(mask.shape)}")
+    return mask
+
+
+def _dense_attention_forward(module, query, key, value, attention_mask, *, scaling, dropout, **kwargs):
+    """Dense K/V (any other cache): SDPA, or the model's own eager attention for softcapping and sinks (which SDPA
+    does not compute)."""
+    if kwargs.get("softcap") is None and kwargs.get("s_aux") is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} asks for softcapping or attention sinks on dense K/V and its module has no "
+            f"eager_attention_forward to compute them; use PagedCache(kv, direct=True) or attn_implementation='eager'"
+        )
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:  # eager adds its mask
+        attention_mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min
+        )
+    return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def register_paged_attention() -> str:
-    """Register the paged attention function with transformers; load models with the returned name as
-    ``attn_implementation``."""
+    """Register the paged attention function with transformers (and an SDPA-style mask for it, so padding and
+    sliding windows reach it); load models with the returned name as ``attn_implementation``."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(PAGED_ATTENTION, _paged_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PAGED_ATTENTION, sdpa_mask)
     return PAGED_ATTENTION
 
 
+# ---------------------------------------------------------------------------------------------- lifetime
+class _Rows:
+    """The sequences of one :class:`PagedCache`, kept apart from it so that a finalizer can free them after the
+    cache itself is gone."""
+
+    __slots__ = ("kv", "sequences")
+
+    def __init__(self, kv: PagedKV, sequences: list[SequenceCache]) -> None:
+        self.kv, self.sequences = kv, sequences
+
+
+_pending: list[SequenceCache] = []  # dropped caches' rows, when they could not be freed at once
+_pending_lock = threading.Lock()
+
+
+def _release_rows(rows: _Rows) -> None:
+    """The finalizer of a dropped cache: free its rows now, unless this thread is inside the allocator (a garbage
+    collection can start in the middle of any code), then on the next PagedCache operation."""
+    seqs, rows.sequences = rows.sequences, []
+    lock = getattr(rows.kv.allocator, "_lock", None)
+    owned = getattr(lock, "_is_owned", None)
+    if owned is not None and owned():
+        with _pending_lock:
+            _pending.extend(seqs)
+        return
+    for seq in seqs:
+        seq.free()
+
+
+def _drain_pending() -> None:
+    """Free the rows that finalizers had to defer."""
+    if not _pending:
+        return
+    with _pending_lock:
+        seqs = _pending[:]
+        _pending.clear()
+    for seq in seqs:
+        seq.free()
+
+
 class PagedLayer(CacheLayerMixin):
-    """One layer's face of a :class:`PagedCache` (the storage is the shared pool)."""
+    """One layer's face of a :class:`PagedCache` (the storage is the shared pool; the cache is held weakly)."""
 
     is_sliding = False
     is_compileable = False
@@ -76,7 +240,14 @@ class PagedLayer(CacheLayerMixin):
 
     def __init__(self, owner: PagedCache, layer_idx: int) -> None:
         super().__init__()
-        self.owner, self.layer_idx = owner, layer_idx
+        self._owner, self.layer_idx = weakref.ref(owner), layer_idx
+
+    @property
+    def owner(self) -> PagedCache:
+        owner = self._owner()
+        if owner is None:
+            raise StateError(f"layer {self.layer_idx} outlived its PagedCache")
+        return owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
@@ -98,7 +269,8 @@ class PagedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.owner.free()
+        if self.layer_idx == 0:
+            self.owner._release()
 
     def crop(self, tokens_to_remove: int) -> None:
         if self.layer_idx == 0:
@@ -131,9 +303,17 @@ class PagedCache(Cache):
         kv: the shared paged memory (pool, allocator, prefix cache).
         sequences: start from these sequences (e.g. forks or prefix hits); default: created on first use.
         cache_salt: tenant salt for prefix hashing.
+        direct: hand the registered ``memos_paged`` attention function a page view instead of dense K/V.
+        config: the model's config (or the model): refuses unsupported models (MLA, linear attention) here
+            rather than in the middle of a forward, and warns about sliding-window memory.
 
     Supports greedy/sampled generation, left-padded batches, ``crop``, beam reordering (rows are forked,
-    sharing blocks). Not supported: sliding windows, layer offloading, ``torch.compile``.
+    sharing blocks), sliding-window layers (every token is kept: see
+    :class:`~memos_ref.spec.SlidingWindowMemoryWarning`), softcapping and attention sinks. Not supported:
+    MLA, linear attention, layer offloading, ``torch.compile``.
+
+    Lifetime: call :meth:`free` (or use ``with PagedCache(kv) as cache:``) when a request is done; a cache
+    dropped without it frees its blocks when garbage-collected. ``copy.deepcopy`` is :meth:`fork`.
     """
 
     def __init__(
@@ -143,10 +323,39 @@ class PagedCache(Cache):
         *,
         cache_salt: str | None = None,
         direct: bool = False,
+        config: Any = None,
     ) -> None:
+        check_type("kv", kv, PagedKV)
+        check_type("direct", direct, bool)
+        if cache_salt is not None:
+            check_type("cache_salt", cache_salt, str)
+        rows = _check_sequences(kv, sequences)
+        if config is not None:
+            check_supported_config(config)
+            warn_sliding_window(config)
+        _drain_pending()
         self.kv, self.cache_salt, self.direct = kv, cache_salt, direct
-        self.sequences: list[SequenceCache] = list(sequences or [])
+        self._rows = _Rows(kv, rows)
+        self._freed = False
+        self._sliding_noted = False
+        self._finalizer = weakref.finalize(self, _release_rows, self._rows)
+        self._finalizer.atexit = False
         super().__init__(layers=[PagedLayer(self, i) for i in range(kv.spec.num_layers)])
+
+    @property
+    def sequences(self) -> list[SequenceCache]:
+        """One :class:`SequenceCache` per batch row (empty before the first write and after ``free()``)."""
+        return self._rows.sequences
+
+    @sequences.setter
+    def sequences(self, value: list[SequenceCache]) -> None:
+        self._rows.sequences = value
+
+    def _check_live(self) -> None:
+        if self._freed:
+            raise UseAfterFreeError(
+                "this PagedCache was freed: create a new PagedCache(kv) for a new request, or fork() it before free()"
+            )
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
@@ -157,7 +366,23 @@ class PagedCache(Cache):
         forward): only the uncached rest is computed. Rows must reuse the same number of tokens (they are
         trimmed to the shortest hit).
         """
-        rows = [kv.start_from_prefix(ids.tolist(), cache_salt) for ids in input_ids]
+        check_type("kv", kv, PagedKV)
+        check_type("input_ids", input_ids, torch.Tensor)
+        if cache_salt is not None:
+            check_type("cache_salt", cache_salt, str)
+        if input_ids.ndim != 2 or input_ids.shape[0] == 0:
+            raise ShapeError(f"input_ids: expected [batch >= 1, tokens], got {tuple(input_ids.shape)}")
+        if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+            raise DTypeError(f"input_ids: expected an integer tensor, got {input_ids.dtype}")
+        _drain_pending()
+        rows: list[SequenceCache] = []
+        try:
+            for ids in input_ids:
+                rows.append(kv.start_from_prefix(ids.tolist(), cache_salt))
+        except BaseException:
+            for seq in rows:
+                seq.free()
+            raise
         shortest = min(seq.num_tokens for seq in rows)
         for seq in rows:
             if seq.num_tokens > shortest:
@@ -168,13 +393,38 @@ class PagedCache(Cache):
 
     def fork(self) -> PagedCache:
         """A new cache sharing every block of this one (a sub-agent); writes copy a shared tail first."""
-        return PagedCache(
-            self.kv, [seq.fork() for seq in self.sequences], cache_salt=self.cache_salt, direct=self.direct
-        )
+        self._check_live()
+        rows: list[SequenceCache] = []
+        try:
+            for seq in self.sequences:
+                rows.append(seq.fork())
+        except BaseException:
+            for seq in rows:
+                seq.free()
+            raise
+        return PagedCache(self.kv, rows, cache_salt=self.cache_salt, direct=self.direct)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PagedCache:
+        """``copy.deepcopy(cache)`` (transformers' prompt-reuse recipe) is :meth:`fork`: the copy shares every
+        block copy-on-write, so generating from it never changes this cache."""
+        return self.fork()
+
+    def __copy__(self) -> PagedCache:
+        return self.fork()
+
+    def __enter__(self) -> PagedCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
 
     def set_token_ids(self, input_ids: torch.Tensor) -> None:
         """Record the token ids ``[B, S]`` of the first S positions so full blocks enter the prefix cache
         (``update`` sees only K/V; call this after ``generate`` with its output, minus the last token)."""
+        self._check_live()
+        check_type("input_ids", input_ids, torch.Tensor)
+        if input_ids.ndim != 2:
+            raise ShapeError(f"input_ids: expected [batch, tokens], got {tuple(input_ids.shape)}")
         if input_ids.shape[0] != len(self.sequences):
             raise ShapeError(f"{len(self.sequences)} rows in the cache, {input_ids.shape[0]} rows of ids given")
         held = max((seq.num_tokens for seq in self.sequences), default=0)
@@ -185,7 +435,13 @@ class PagedCache(Cache):
 
     # ------------------------------------------------------------------ the Cache protocol
     def _check(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        check_type("key_states", key, torch.Tensor)
+        check_type("value_states", value, torch.Tensor)
         spec = self.kv.spec
+        if key.ndim == 4 and value.ndim == 4 and key.shape[-1] != value.shape[-1]:
+            raise UnsupportedModelError(
+                f"key head_dim {key.shape[-1]} != value head_dim {value.shape[-1]}: {_MLA_HINT}"
+            )
         if key.ndim != 4 or key.shape != value.shape:
             raise ShapeError(
                 f"key/value must both be [batch, kv_heads, tokens, head_dim], got {tuple(key.shape)} "
@@ -196,7 +452,11 @@ class PagedCache(Cache):
                 f"key shape {tuple(key.shape)}: expected kv_heads={spec.num_kv_heads}, head_dim={spec.head_dim}"
             )
         if key.dtype != spec.dtype or value.dtype != spec.dtype:
-            raise DTypeError(f"key dtype {key.dtype} does not match the pool's {spec.dtype}")
+            raise DTypeError(
+                f"key dtype {key.dtype} (value {value.dtype}) does not match the pool's {spec.dtype}: build the "
+                f"pool in the model's dtype, e.g. PagedKV(KVSpec.from_hf_config(model), ...) (it reads the model's "
+                f"parameters) or KVSpec.from_hf_config(config, dtype=model.dtype)"
+            )
         if key.device != self.kv.pool.device:
             raise DeviceError(f"key device {key.device} does not match the pool's {self.kv.pool.device}")
         if self.sequences and key.shape[0] != len(self.sequences):
@@ -204,16 +464,41 @@ class PagedCache(Cache):
 
     def _write(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> None:
         """Append this step's K/V ``[B, H, n, D]`` of one layer to every row (all rows or none)."""
+        self._check_live()
         self._check(key, value)
+        _drain_pending()
+        n = key.shape[2]
+        rows = self.sequences or [None] * key.shape[0]
+        first = self.sequences[0].layer_tokens[layer] if self.sequences else 0
+        reserved = self.sequences[0].num_tokens if self.sequences else 0
+        if first + n > reserved:
+            self._ensure_blocks(
+                lambda: sum(seq.blocks_needed(n) if seq else self.kv.spec.blocks_for(n) for seq in rows)
+            )
         if not self.sequences:
             self.sequences = [self.kv.new_sequence(self.cache_salt) for _ in range(key.shape[0])]
-        n = key.shape[2]
-        if self.sequences[0].layer_tokens[layer] + n > self.sequences[0].num_tokens:
-            needed = sum(seq.blocks_needed(n) for seq in self.sequences)
-            if needed > self.kv.allocator.num_available:
-                raise OutOfBlocksError(needed=needed, available=self.kv.allocator.num_available)
         for row, seq in enumerate(self.sequences):
             seq.append(layer, key[row], value[row])
+
+    def _ensure_blocks(self, needed_blocks: Any) -> None:
+        """Raise :class:`OutOfBlocksError` (saying what to do) unless the pool can give ``needed_blocks()`` blocks;
+        collects dropped caches first."""
+        needed = needed_blocks()
+        if needed <= self.kv.allocator.num_available:
+            return
+        gc.collect()  # a dropped cache in a reference cycle frees its blocks when collected
+        _drain_pending()
+        needed, available = needed_blocks(), self.kv.allocator.num_available
+        if needed <= available:
+            return
+        err = OutOfBlocksError(needed=needed, available=available)
+        live = len(self.kv.sequences)
+        err.args = (
+            f"{err.args[0]}. {live} sequences of this PagedKV still hold blocks: call cache.free() when a request "
+            f"is done (or use `with PagedCache(kv) as cache:`); a PagedCache dropped without free() returns its "
+            f"blocks only when it is garbage-collected",
+        )
+        raise err
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int) -> torch.Tensor:
         """Store this step's K/V and compute causal attention of ``query [B, Hq, n, D]`` over each row's pages.
@@ -221,13 +506,30 @@ class PagedCache(Cache):
         The package's forward calls this instead of ``update`` (no dense ``[B, H, S, D]`` is handed back);
         it is the seam where a paged-attention kernel reads the pool directly. Returns ``[B, Hq, n, D]``.
         """
+        check_type("query", query, torch.Tensor)
         self._write(key, value, layer)
         return self._attend_stored(query, layer)
 
-    def _attend_stored(self, query: torch.Tensor, layer: int, scale: float | None = None) -> torch.Tensor:
+    def _attend_stored(self, query: torch.Tensor, layer: int, scale: float | None = None, **extras: Any):
         from memos_ref.attention import attend_sequences
 
-        return attend_sequences(query, self.sequences, layer, scale=scale)
+        self._check_live()
+        return attend_sequences(query, self.sequences, layer, scale=scale, **extras)
+
+    def _note_sliding(self, window: int) -> None:
+        if not self._sliding_noted:  # the attention function sees the window on every layer and step
+            self._sliding_noted = True
+            warn_sliding(window)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[Any, Any]:
+        """Store the new K/V ``[B, H_kv, S_new, D]`` of layer ``layer_idx``; return all of that layer's K/V (or a
+        :class:`PagedView` with ``direct=True``). A rejected call leaves the cache and the pool unchanged."""
+        check_type("layer_idx", layer_idx, int)
+        if not 0 <= layer_idx < len(self.layers):
+            raise LayerIndexError(f"layer_idx {layer_idx} is not in [0, {len(self.layers)})")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[Any, Any]:
         self._write(key, value, layer)
@@ -243,24 +545,62 @@ class PagedCache(Cache):
             return keys[0].unsqueeze(0), values[0].unsqueeze(0)
         return torch.stack(keys), torch.stack(values)  # [B, H, S, D]
 
+    # linear-attention models ask the cache for recurrent state: refuse them clearly (transformers would fail)
+    def get_conv_state(self, *args: Any, **kwargs: Any) -> Any:
+        raise UnsupportedModelError(_LINEAR_HINT)
+
+    get_recurrent_state = update_conv_state = update_recurrent_state = get_conv_state
+
+    def update_indexer(self, *args: Any, **kwargs: Any) -> Any:
+        raise UnsupportedModelError("sparse-attention indexer caches (DeepSeek-V3.2) are not supported by PagedCache")
+
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens of every row (transformers' negative convention)."""
+        self._check_live()
+        check_type("tokens_to_remove", tokens_to_remove, int)
         if tokens_to_remove > 0:
             raise ConfigError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
         for seq in self.sequences:
             seq.truncate(max(0, seq.num_tokens + tokens_to_remove))
 
     def _select_rows(self, rows: list[int]) -> None:
-        new = [self.sequences[i].fork() for i in rows]  # beams share their common blocks
+        self._check_live()
+        for i in rows:
+            if not 0 <= i < len(self.sequences):
+                raise InvalidArgumentError(f"row {i} is not in [0, {len(self.sequences)})")
+        new: list[SequenceCache] = []
+        try:
+            for i in rows:
+                new.append(self.sequences[i].fork())  # beams share their common blocks
+        except BaseException:
+            for seq in new:
+                seq.free()
+            raise
         for seq in self.sequences:
             seq.free()
         self.sequences = new
 
-    def free(self) -> None:
-        """Release every row's blocks back to the shared memory."""
-        for seq in self.sequences:
+    def _release(self) -> None:
+        """Free every row's blocks; the cache stays usable (``reset``)."""
+        seqs, self.sequences = self.sequences, []
+        for seq in seqs:
             seq.free()
-        self.sequences = []
+
+    def reset(self) -> None:
+        """Forget every token (transformers' ``Cache.reset``): the blocks go back, the cache can be reused."""
+        self._release()
+        self._freed = False
+
+    def free(self) -> None:
+        """Release every row's blocks back to the shared memory; using the cache afterwards raises
+        :class:`UseAfterFreeError` (calling ``free()`` again does nothing)."""
+        self._release()
+        self._freed = True
+
+    @property
+    def is_freed(self) -> bool:
+        """Whether :meth:`free` was called."""
+        return self._freed
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -269,3 +609,24 @@ class PagedCache(Cache):
             "blocks": sum(seq.num_blocks for seq in self.sequences),
             **self.kv.stats(),
         }
+
+
+def _check_sequences(kv: PagedKV, sequences: Sequence[SequenceCache] | None) -> list[SequenceCache]:
+    """The rows a cache starts from: live sequences of this very ``kv``, all at one length."""
+    if sequences is None:
+        return []
+    check_type("sequences", sequences, (list, tuple))
+    rows = list(sequences)
+    for i, seq in enumerate(rows):
+        check_type(f"sequences[{i}]", seq, SequenceCache)
+        if seq.allocator is not kv.allocator:
+            raise InvalidArgumentError(f"sequences[{i}] belongs to another PagedKV than kv")
+        if getattr(seq, "_freed", False):
+            raise UseAfterFreeError(f"sequences[{i}] was freed; create a new sequence (or fork() before free())")
+    if len({seq.num_tokens for seq in rows}) > 1:
+        raise InvalidArgumentError(
+            f"sequences: every row must hold the same number of tokens, got {[seq.num_tokens for seq in rows]}"
+        )
+    if len({id(seq) for seq in rows}) != len(rows):
+        raise InvalidArgumentError("sequences: a sequence appears twice (fork() it for a second row)")
+    return rows

@@ -7,15 +7,25 @@ H key/value heads, D head dimension). For Llama-2-7B in fp16 that is exactly 524
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from memos_ref.errors import ConfigError
+from memos_ref.errors import ArgumentTypeError, ConfigError, UnsupportedModelError, check_type
 
-__all__ = ["ALLOWED_BLOCK_SIZES", "KVSpec", "dtype_from_name"]
+__all__ = [
+    "ALLOWED_BLOCK_SIZES",
+    "KVSpec",
+    "SlidingWindowMemoryWarning",
+    "check_supported_config",
+    "config_dict",
+    "dtype_from_name",
+    "sliding_window_layers",
+]
 
 ALLOWED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 
@@ -39,6 +49,7 @@ def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
     """Turn ``"float16"``, ``"bf16"``, ``"torch.float32"`` or a ``torch.dtype`` into a ``torch.dtype``."""
     if isinstance(name, torch.dtype):
         return name
+    check_type("dtype", name, (str, torch.dtype))
     key = str(name).removeprefix("torch.").lower()
     if key not in _DTYPES:
         raise ConfigError(f"unknown dtype {name!r}: expected one of {sorted(set(_DTYPES))}")
@@ -66,9 +77,11 @@ class KVSpec:
     num_q_heads: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_q_heads"):
+            check_type(f"KVSpec.{name}", getattr(self, name), int)
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if value <= 0:
                 raise ConfigError(f"KVSpec.{name} must be a positive int, got {value!r}")
         if not isinstance(self.dtype, torch.dtype):
             object.__setattr__(self, "dtype", dtype_from_name(self.dtype))
@@ -183,16 +196,29 @@ class KVSpec:
         dtype: str | torch.dtype | None = None,
         block_size: int = 16,
     ) -> KVSpec:
-        """Read the KV geometry from a Hugging Face config (a dict or a ``PretrainedConfig``).
+        """Read the KV geometry from a Hugging Face config (a dict or a ``PretrainedConfig``) or a model.
 
-        Handles Llama, Mistral, Qwen2, Qwen3, Gemma and Phi-3 style configs (``num_hidden_layers``,
-        ``num_attention_heads``, ``num_key_value_heads`` for GQA, optional explicit ``head_dim``) and GPT-2
-        style ones (``n_layer``, ``n_head``, ``n_embd``). ``dtype`` defaults to the config's ``torch_dtype``
-        (or ``dtype``), else float16. Sliding-window layers are counted as full layers (an upper bound).
+        Handles Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2/3, GPT-OSS and Phi-3 style configs
+        (``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads`` for GQA, optional explicit
+        ``head_dim``) and GPT-2 style ones (``n_layer``, ``n_head``, ``n_embd``).
+
+        ``dtype``: the ``dtype`` argument if given; else, for a model, the dtype of its parameters; else the
+        config's ``dtype`` (or ``torch_dtype``); else ``torch.get_default_dtype()`` — what a model built from
+        the config has (a config made in code has no dtype). Pass the model, or ``dtype=model.dtype``, to be sure.
+
+        Raises :class:`UnsupportedModelError` for multi-head latent attention (DeepSeek-V2/V3: K and V widths
+        differ) and for hybrid linear-attention / state-space models (Qwen3-Next, Jamba, ...), and
+        :class:`ConfigError` for a config without a KV geometry. Sliding-window layers are counted as full
+        layers — the paged cache keeps every token of them — and a :class:`SlidingWindowMemoryWarning` says so
+        (once per model).
         """
-        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-        if "text_config" in cfg and "num_hidden_layers" not in cfg:  # multimodal wrappers
-            cfg = dict(cfg["text_config"])
+        check_type("block_size", block_size, int)
+        if dtype is not None:
+            check_type("dtype", dtype, (str, torch.dtype))
+        model_dtype = _module_dtype(config)
+        cfg = config_dict(config)
+        check_supported_config(cfg)
+        warn_sliding_window(cfg)
 
         def pick(*names: str) -> Any:
             for name in names:
@@ -223,7 +249,7 @@ class KVSpec:
                 f"cannot derive the KV geometry"
             )
         for label, value in (("layers", layers), ("attention heads", q_heads), ("KV heads", kv_heads)):
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"config has {label} = {value!r}: expected a positive int")
         if q_heads % kv_heads:
             raise ConfigError(f"num_attention_heads ({q_heads}) is not a multiple of num_key_value_heads ({kv_heads})")
@@ -235,7 +261,7 @@ class KVSpec:
                 )
             head_dim = hidden // q_heads
         if dtype is None:
-            dtype = pick("torch_dtype", "dtype") or "float16"
+            dtype = model_dtype or pick("dtype", "torch_dtype") or torch.get_default_dtype()
         return cls(
             num_layers=layers,
             num_kv_heads=kv_heads,
@@ -244,3 +270,162 @@ class KVSpec:
             block_size=block_size,
             num_q_heads=q_heads,
         )
+
+
+# -------------------------------------------------------------------- what a model config asks of the cache
+class SlidingWindowMemoryWarning(UserWarning):
+    """A model has sliding-window attention layers: the paged cache keeps every token of them (attention still
+    sees only the window, so outputs are unchanged), so their KV memory grows with the context, not the window."""
+
+
+#: Layer kinds whose KV the paged cache holds correctly (with the full context kept for sliding layers).
+_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
+#: Families whose layers keep recurrent / convolution state instead of (or beside) a KV cache.
+_STATE_SPACE_FAMILIES = frozenset(
+    {
+        "bamba",
+        "falcon_h1",
+        "falcon_mamba",
+        "granitemoehybrid",
+        "jamba",
+        "lfm2",
+        "lfm2_moe",
+        "mamba",
+        "mamba2",
+        "minimax",
+        "nemotron_h",
+        "plamo2",
+        "qwen3_next",
+        "recurrent_gemma",
+        "rwkv",
+        "xlstm",
+        "zamba",
+        "zamba2",
+    }
+)
+_warned_sliding: set[tuple[Any, ...]] = set()
+_warned_lock = threading.Lock()
+
+
+def _module_dtype(obj: Any) -> torch.dtype | None:
+    """The dtype of a model's first floating-point parameter (``None`` for a config or a dict)."""
+    if isinstance(obj, torch.nn.Module):
+        for param in obj.parameters():
+            if param.is_floating_point():
+                return param.dtype
+    return None
+
+
+def config_dict(config: Any) -> dict[str, Any]:
+    """A plain dict of a Hugging Face config: a ``PretrainedConfig``, a model (its ``.config``), or a mapping;
+    the text part of a multimodal config."""
+    if isinstance(config, torch.nn.Module):
+        if not hasattr(config, "config"):
+            raise ArgumentTypeError(
+                f"config: expected a transformers model (with .config), a PretrainedConfig or a dict, got a "
+                f"{type(config).__name__} without .config"
+            )
+        config = config.config
+    if hasattr(config, "to_dict"):
+        cfg = config.to_dict()
+    elif isinstance(config, Mapping):
+        cfg = dict(config)
+    else:
+        raise ArgumentTypeError(
+            f"config: expected a PretrainedConfig, a transformers model or a dict, got {type(config).__name__}"
+        )
+    if isinstance(cfg.get("text_config"), Mapping) and "num_hidden_layers" not in cfg:  # multimodal wrappers
+        cfg = dict(cfg["text_config"])
+    return cfg
+
+
+def check_supported_config(config: Any) -> None:
+    """Raise :class:`UnsupportedModelError` when a model's attention cannot live in the paged cache.
+
+    Refused: multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi-K2, MiniCPM3 — keys and values of different
+    widths, a compressed ``kv_lora_rank`` latent); hybrid linear-attention and state-space models (Qwen3-Next,
+    Jamba, Mamba, ... — layers that keep recurrent state instead of K/V); layer kinds the cache was not tested
+    with (e.g. Llama 4's ``chunked_attention``).
+    """
+    cfg = config_dict(config)
+    model_type = str(cfg.get("model_type") or "")
+    if cfg.get("kv_lora_rank") is not None or _kv_widths_differ(cfg):
+        raise UnsupportedModelError(
+            f"{model_type or 'this model'} uses multi-head latent attention (MLA: kv_lora_rank="
+            f"{cfg.get('kv_lora_rank')!r}, qk_rope_head_dim={cfg.get('qk_rope_head_dim')!r}, "
+            f"v_head_dim={cfg.get('v_head_dim')!r}): MLA is not supported — keys and values have different "
+            f"widths, and the paged pool stores K and V of one head_dim. Use transformers' DynamicCache for it"
+        )
+    layer_types = list(cfg.get("layer_types") or []) + list(cfg.get("layers_block_type") or [])
+    other = sorted({str(t) for t in layer_types} - _ATTENTION_LAYER_TYPES)
+    if model_type in _STATE_SPACE_FAMILIES or any("linear" in t or "mamba" in t or "conv" in t for t in other):
+        raise UnsupportedModelError(
+            f"{model_type or 'this model'} is a hybrid linear-attention / state-space model (layer types "
+            f"{other or 'recurrent'}): linear attention is not supported by the paged cache, which holds only "
+            f"K/V of attention layers. Use the model's own cache (e.g. transformers' DynamicCache)"
+        )
+    if other:
+        raise UnsupportedModelError(
+            f"{model_type or 'this model'} has layer types {other}: the paged cache supports "
+            f"{sorted(_ATTENTION_LAYER_TYPES)} only (full and sliding-window attention)"
+        )
+
+
+def _kv_widths_differ(cfg: Mapping[str, Any]) -> bool:
+    v_dim = cfg.get("v_head_dim")
+    if v_dim is None:
+        return False
+    qk = cfg.get("qk_head_dim")
+    if qk is None and cfg.get("qk_nope_head_dim") is not None:
+        qk = cfg["qk_nope_head_dim"] + (cfg.get("qk_rope_head_dim") or 0)
+    if qk is None:
+        qk = cfg.get("head_dim")
+    return qk is not None and qk != v_dim
+
+
+def sliding_window_layers(config: Any) -> tuple[int | None, int]:
+    """``(window, number of sliding-window layers)`` of a config; ``(None, 0)`` without sliding windows."""
+    cfg = config_dict(config)
+    window = cfg.get("sliding_window")
+    if not window or cfg.get("use_sliding_window") is False:
+        return None, 0
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        return int(window), sum(1 for t in layer_types if t == "sliding_attention")
+    return int(window), int(cfg.get("num_hidden_layers") or 0)  # Mistral style: every layer slides
+
+
+def warn_sliding_window(config: Any) -> bool:
+    """Warn (once per model geometry and window, per process) that the paged cache keeps every token of
+    sliding-window layers; returns whether the config has such layers."""
+    cfg = config_dict(config)
+    window, count = sliding_window_layers(cfg)
+    if not count:
+        return False
+    key = (cfg.get("model_type"), window, count, cfg.get("num_hidden_layers"), cfg.get("hidden_size"))
+    warn_sliding(window, count, cfg.get("num_hidden_layers"), cfg.get("model_type"), key=key)
+    return True
+
+
+def warn_sliding(
+    window: int,
+    count: int | None = None,
+    layers: int | None = None,
+    model_type: Any = None,
+    *,
+    key: Any = None,
+) -> None:
+    """Issue the :class:`SlidingWindowMemoryWarning` once per ``key`` (default: the window) in this process."""
+    key = key if key is not None else ("window", window)
+    with _warned_lock:
+        if key in _warned_sliding:
+            return
+        _warned_sliding.add(key)
+    where = f"{count} of {layers} layers" if count is not None and layers else "some layers"
+    warnings.warn(
+        f"{model_type or 'the model'} has sliding-window attention (window {window}, {where}): the paged cache "
+        f"keeps every token of those layers, so their KV memory grows with the whole context instead of staying "
+        f"at {window} tokens (outputs are unchanged: attention still sees only the window)",
+        SlidingWindowMemoryWarning,
+        stacklevel=3,
+    )
