@@ -18,7 +18,13 @@ import warnings
 
 import pytest
 
-from memos_ref.errors import BackendDegradedWarning, BackendUnavailableError, CapacityExceededError, ConfigError
+from memos_ref.errors import (
+    BackendDegradedWarning,
+    BackendUnavailableError,
+    CapacityExceededError,
+    ConfigError,
+    InvalidArgumentError,
+)
 from memos_ref.memory import MemoryBackend, MemoryMetrics, RedisBackend, RedisServer, redis_server_path
 
 U = 0.4  # seconds per TTL unit on Redis (real time)
@@ -115,7 +121,7 @@ def test_bad_input_is_refused_and_changes_nothing(harness):
     for bad in ["", "has space", "new\nline", "x" * 251]:
         with pytest.raises(ConfigError, match="invalid key"):
             b.set(bad, 1)
-    with pytest.raises(ConfigError, match="ttl must be positive"):
+    with pytest.raises(InvalidArgumentError, match="ttl must be a finite number"):
         b.set("k", 1, ttl=0)
     assert b.get("k") == "small"
     assert b.stats()["sets"] == 1
@@ -248,12 +254,16 @@ def test_redis_never_blocks_past_its_timeout():
     listener.listen(8)
     port = listener.getsockname()[1]
     try:
-        b = RedisBackend(f"redis://127.0.0.1:{port}/0", timeout=0.05)
+        b = RedisBackend(f"redis://127.0.0.1:{port}/0", timeout=0.05, failure_threshold=3)
         started = time.monotonic()
-        with pytest.warns(BackendDegradedWarning):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a timeout is not yet a dead server: no warning before the threshold
+            assert b.get("k", "fallback") == "fallback" and b.get("k", "fallback") == "fallback"
+        assert not b._degraded()
+        with pytest.warns(BackendDegradedWarning, match="3 consecutive failures"):
             assert b.get("k", "fallback") == "fallback"
-        assert time.monotonic() - started < 1.0  # a correctness bound (0.05 s configured), not a speed claim
-        assert b._degraded()
+        assert time.monotonic() - started < 3.0  # a correctness bound (3 × 0.05 s configured), not a speed claim
+        assert b._degraded() and b.stats()["errors_timeout"] == 3
     finally:
         listener.close()
 

@@ -11,7 +11,7 @@ import torch
 
 from memos_ref.errors import ConfigError, CorruptCacheError, ModelMismatchError
 from memos_ref.spec import KVSpec
-from memos_ref.tiering.backends import DiskBackend, HostMemoryBackend, RedisTierBackend
+from memos_ref.tiering.backends import DiskBackend, HostMemoryBackend, RedisTierBackend, temp_name
 from memos_ref.tiering.blockfile import decode_block, encode_block
 from memos_ref.tiering.codecs import CODECS, Codec, get_codec, shuffle, unshuffle
 from memos_ref.tiering.store import Tier, TierStore
@@ -118,10 +118,14 @@ def test_budget_evicts_least_recently_used(kind, tmp_path):
 def test_disk_adopts_files_and_cleans_half_writes(tmp_path):
     first = DiskBackend(tmp_path / "kv", 10_000)
     first.put("abc", b"hello")
-    (first.path("abc").parent / ".tmp-crashed").write_bytes(b"half a block")
+    crashed = first.path("abc").parent / ".tmp-crashed"  # a writer of unknown pid, long ago
+    crashed.write_bytes(b"half a block")
+    os.utime(crashed, (1.0, 1.0))
+    dead = first.path("abc").parent / temp_name(pid=2**30)  # a pid no process can have
+    dead.write_bytes(b"half a block")
     second = DiskBackend(tmp_path / "kv", 10_000)  # a restart
     assert second.get("abc") == b"hello" and second.nbytes == 5
-    assert not (first.path("abc").parent / ".tmp-crashed").exists()
+    assert not crashed.exists() and not dead.exists()
     assert str(second.path("abc")).startswith(str(tmp_path / "kv"))
 
 
@@ -131,7 +135,7 @@ def test_redis_tier_namespaces_and_degrades(redis_url):
     a.put("k1", b"data")
     assert other_model.get("k1") is None  # keys carry the model fingerprint
     a.clear()
-    dead = RedisTierBackend("redis://127.0.0.1:1/0", fingerprint=FP)  # nothing listens on port 1
+    dead = RedisTierBackend("redis://127.0.0.1:1/0", fingerprint=FP, failure_threshold=1)  # nothing on port 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert dead.put("k", b"1") is False and dead.get("k") is None

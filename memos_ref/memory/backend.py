@@ -13,13 +13,15 @@ bounded by the process count, not by the request rate.
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from memos_ref.errors import ConfigError
+from memos_ref.errors import ArgumentTypeError, ConfigError, check_type
+from memos_ref.resilient import MAX_TTL_S, validate_ttl
 
 __all__ = ["MISSING", "CacheBackend"]
 
@@ -51,12 +53,13 @@ class CacheBackend(ABC):
         ttl_jitter: float = 0.0,
         seed: int = 0,
     ) -> None:
-        if default_ttl is not None and default_ttl <= 0:
-            raise ConfigError(f"default_ttl must be positive or None, got {default_ttl}")
-        if negative_ttl <= 0:
-            raise ConfigError(f"negative_ttl must be positive, got {negative_ttl}")
-        if not 0 <= ttl_jitter < 1:
+        default_ttl = validate_ttl(default_ttl, "default_ttl")
+        check_type("negative_ttl", negative_ttl, (int, float))
+        negative_ttl = validate_ttl(negative_ttl, "negative_ttl")
+        check_type("ttl_jitter", ttl_jitter, (int, float))
+        if not (math.isfinite(ttl_jitter) and 0 <= ttl_jitter < 1):
             raise ConfigError(f"ttl_jitter must be in [0, 1), got {ttl_jitter}")
+        check_type("seed", seed, int)
         self.default_ttl, self.negative_ttl, self.ttl_jitter = default_ttl, negative_ttl, ttl_jitter
         self._rng = random.Random(seed)
         self._rng_lock = threading.Lock()
@@ -97,23 +100,24 @@ class CacheBackend(ABC):
         return self.get(key, sentinel) is not sentinel
 
     def _ttl_to_store(self, ttl: float | type(...) | None) -> float | None:
-        """Resolve the default and apply jitter; validates the result."""
-        ttl = self.default_ttl if ttl is DEFAULT else ttl
-        if ttl is not None and not ttl > 0:
-            raise ConfigError(f"ttl must be positive or None, got {ttl}")
+        """Resolve the default and apply jitter. A TTL that is not a finite number of seconds in
+        ``(0, MAX_TTL_S]`` (``inf``, NaN, zero, negative, beyond Redis's range) raises
+        :class:`~memos_ref.errors.InvalidArgumentError` on every backend, before anything is stored."""
+        ttl = validate_ttl(self.default_ttl if ttl is DEFAULT else ttl)
         if ttl is None or not self.ttl_jitter:
             return ttl
         with self._rng_lock:
-            return ttl * (1 + self._rng.uniform(-self.ttl_jitter, self.ttl_jitter))
+            return min(MAX_TTL_S, ttl * (1 + self._rng.uniform(-self.ttl_jitter, self.ttl_jitter)))
 
     def get_many(self, keys: Iterable[str]) -> dict[str, Any]:
         """The live entries among ``keys`` (absent and expired keys are left out)."""
         sentinel = object()
-        found = {key: self.get(key, sentinel) for key in keys}
+        found = {key: self.get(key, sentinel) for key in _key_list(keys)}
         return {key: value for key, value in found.items() if value is not sentinel}
 
     def set_many(self, items: Mapping[str, Any], ttl: float | None = DEFAULT) -> None:  # type: ignore[assignment]
         """``set`` for each item (each gets its own jittered TTL)."""
+        check_type("items", items, Mapping)
         for key, value in items.items():
             self.set(key, value, ttl)
 
@@ -121,6 +125,10 @@ class CacheBackend(ABC):
         """The cached value, or ``compute()`` run by exactly one caller in this process while concurrent callers
         for the same key wait for its result (single flight). A ``None`` result is cached as a miss for
         ``negative_ttl`` seconds, so a storm of lookups for something that does not exist computes once."""
+        if not callable(compute):
+            raise ArgumentTypeError(f"compute: expected a callable, got {type(compute).__name__} ({compute!r:.80})")
+        if ttl is not DEFAULT:
+            validate_ttl(ttl)
         sentinel = object()
         while True:
             value = self.get(key, sentinel)
@@ -165,3 +173,10 @@ class CacheBackend(ABC):
         s = self.stats()
         lookups = s.get("hits", 0) + s.get("misses", 0)
         return s.get("hits", 0) / lookups if lookups else 0.0
+
+
+def _key_list(keys: Iterable[str]) -> list[str]:
+    """``keys`` as a list (a lone string is refused: iterating it would look up its characters)."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+        raise ArgumentTypeError(f"keys: expected an iterable of str, got {type(keys).__name__} ({keys!r:.80})")
+    return list(keys)

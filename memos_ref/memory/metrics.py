@@ -1,7 +1,8 @@
 """Prometheus metrics for a short-term memory backend, read from its ``stats()`` at scrape time.
 
 Counters: ``{prefix}_hits``, ``_misses``, ``_sets``, ``_deletes``, ``_expirations``, ``_evictions{reason}``,
-``_computations`` (single-flight computes), ``_errors`` (remote backend failures); gauges: ``_entries``,
+``_computations`` (single-flight computes), ``_errors`` (remote backend failures) and ``_errors_by_kind{kind}``
+(``refused``, ``timeout``, ``oom``, ``readonly``, ``wrongtype``, ``moved``, ...), ``_corrupt``; gauges: ``_entries``,
 ``_bytes`` and ``_degraded`` (1 while a remote backend is unreachable). A counter a backend cannot know
 (Redis does not report per-namespace expirations) is left out rather than reported as zero.
 """
@@ -23,8 +24,9 @@ _COUNTERS = {
     "expirations": "entries removed because their TTL passed",
     "computations": "values computed by get_or_compute (single flight: once per concurrent miss)",
     "negative_hits": "lookups answered by a cached 'nothing found'",
-    "errors": "calls that failed because the backend was unreachable",
-    "dropped_sets": "writes dropped while the backend was unreachable",
+    "errors": "calls that failed (unreachable backend, or an error reply: see _errors_by_kind)",
+    "dropped_sets": "writes dropped (backend unreachable, full or read-only)",
+    "corrupt": "stored values that could not be read back (not JSON, too large): answered as misses",
 }
 _EVICTIONS = {"evictions_entries": "entries", "evictions_bytes": "bytes"}
 
@@ -45,6 +47,12 @@ class _Collector:
         for name, reason in _EVICTIONS.items():
             evictions.add_metric([self.backend.name, reason], stats.get(name, 0))
         yield evictions
+        kinds = sorted(k for k in stats if k.startswith("errors_"))
+        if kinds:
+            by_kind = CounterMetricFamily(f"{p}_errors_by_kind", "failed calls by error kind", labels=[*labels, "kind"])
+            for name in kinds:
+                by_kind.add_metric([self.backend.name, name[len("errors_") :]], stats[name])
+            yield by_kind
         for name, metric, text in (
             ("size", "entries", "live entries"),
             ("bytes", "bytes", "bytes held (JSON values + keys)"),

@@ -8,9 +8,16 @@
 * **Eviction** is the server's: set ``maxmemory`` and ``maxmemory-policy allkeys-lfu`` (Redis's approximated
   LFU, the nearest to the hybrid score) on the server; this class does not reconfigure a shared server.
 * **Degraded mode** (:class:`~memos_ref.resilient.ResilientRedis`): every call has a socket timeout (default
-  50 ms) and no retries. A lost connection warns once (:class:`~memos_ref.errors.BackendDegradedWarning`),
-  counts an error, and for ``retry_after`` seconds every read answers "miss" and every write is dropped
-  without touching the network — so an agent keeps working, only slower, and never blocks on a dead server.
+  0.5 s) and no retries. ``failure_threshold`` consecutive connection failures (default 3; a refused
+  connection at once) warn once (:class:`~memos_ref.errors.BackendDegradedWarning`), and for ``retry_after``
+  seconds every read answers "miss" and every write is dropped without touching the network — so an agent
+  keeps working, only slower, and never blocks on a dead server.
+* **Every Redis error is a miss or a dropped write**, counted by kind (``errors_oom``, ``errors_readonly``,
+  ``errors_wrongtype``, ``errors_moved``, ...): a full server, a replica, a value of another type planted at a
+  key never raise into the caller.
+* **Untrusted values**: a value read back is bounded (``GETRANGE`` reads at most ``max_value_bytes + 1``
+  bytes) and must decode as JSON; anything else (not UTF-8, not JSON, nested past the interpreter's recursion
+  limit, too large) is counted ``corrupt`` and answered as a miss.
 
 Point it at an existing Redis with ``RedisBackend("redis://host:6379/0", namespace="myapp")``.
 """
@@ -23,10 +30,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from memos_ref.errors import ConfigError
-from memos_ref.memory.backend import DEFAULT, CacheBackend
+from memos_ref.errors import ConfigError, check_type
+from memos_ref.memory.backend import DEFAULT, CacheBackend, _key_list
 from memos_ref.memory.store import encode_value, validate_key
-from memos_ref.resilient import ResilientRedis
+from memos_ref.resilient import DEFAULT_FAILURE_THRESHOLD, DEFAULT_TIMEOUT_S, ResilientRedis, ttl_to_px
 
 __all__ = ["RedisBackend"]
 
@@ -41,8 +48,10 @@ class RedisBackend(CacheBackend):
         client: an existing ``redis.Redis`` (its own timeouts and retries then apply).
         namespace / tenant: key prefix parts; letters, digits, ``_``, ``.``, ``-`` only.
         max_value_bytes: the largest value (JSON bytes + key) accepted, as in the memory backend.
-        timeout: socket connect and read timeout in seconds — the longest a call can block.
+        timeout: socket connect and read timeout in seconds — the longest a call can block (default 0.5 s).
         retry_after: seconds a lost server is left alone before the next attempt.
+        failure_threshold: consecutive connection failures (timeouts, resets) before degraded mode (default 3;
+            a refused connection degrades at once).
         clock: the time source for ``retry_after`` (inject one in tests).
         default_ttl / negative_ttl / ttl_jitter / seed: see :class:`CacheBackend`.
     """
@@ -61,17 +70,27 @@ class RedisBackend(CacheBackend):
         ttl_jitter: float = 0.0,
         seed: int = 0,
         max_value_bytes: int = 2**20,
-        timeout: float = 0.05,
+        timeout: float = DEFAULT_TIMEOUT_S,
         retry_after: float = 1.0,
+        failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(default_ttl=default_ttl, negative_ttl=negative_ttl, ttl_jitter=ttl_jitter, seed=seed)
         for label, value in (("namespace", namespace), ("tenant", tenant)):
-            if not isinstance(value, str) or not _NAME.fullmatch(value):
+            check_type(label, value, str)
+            if not _NAME.fullmatch(value):
                 raise ConfigError(f"{label} must be 1-64 of [A-Za-z0-9_.-], got {value!r}")
+        check_type("max_value_bytes", max_value_bytes, int)
         if max_value_bytes <= 0:
             raise ConfigError(f"max_value_bytes must be positive, got {max_value_bytes}")
-        self.redis = ResilientRedis(url, client=client, timeout=timeout, retry_after=retry_after, clock=clock)
+        self.redis = ResilientRedis(
+            url,
+            client=client,
+            timeout=timeout,
+            retry_after=retry_after,
+            failure_threshold=failure_threshold,
+            clock=clock,
+        )
         self.url, self.client = url, self.redis.client
         self.prefix = f"{namespace}:{tenant}:"
         self.max_value_bytes = max_value_bytes
@@ -93,12 +112,32 @@ class RedisBackend(CacheBackend):
     def _call(self, fn: Callable[[], Any], fallback: Any) -> Any:
         return self.redis.call(fn, fallback)
 
+    def _read(self, rkey: str) -> Any:
+        """Read ``rkey`` bounded to ``max_value_bytes + 1`` bytes (GETRANGE answers "" for a missing key)."""
+        return self.client.getrange(rkey, 0, self.max_value_bytes)
+
+    def _decode(self, raw: object, sentinel: object) -> Any:
+        """A stored value, or ``sentinel`` when absent, unreadable or too large (the last two counted
+        ``corrupt``: another client planted something this store never writes)."""
+        if isinstance(raw, Exception):  # a pipeline's failed command (a value of another type, ...)
+            self.redis.count_error(raw)
+            return sentinel
+        if not isinstance(raw, bytes) or not raw:
+            return sentinel
+        if len(raw) > self.max_value_bytes:
+            self._count("corrupt")
+            return sentinel
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            self._count("corrupt")
+            return sentinel
+
     # ------------------------------------------------------------------ the primitives
     def set(self, key: str, value: Any, ttl: float | None = DEFAULT) -> None:  # type: ignore[assignment]
         rkey = self._key(key)
         payload = encode_value(key, value, self.max_value_bytes)
-        ttl = self._ttl_to_store(ttl)
-        px = None if ttl is None else max(1, round(ttl * 1000))
+        px = ttl_to_px(self._ttl_to_store(ttl))
         if self._call(lambda: self.client.set(rkey, payload, px=px), None) is None:
             self._count("dropped_sets")
         else:
@@ -106,12 +145,13 @@ class RedisBackend(CacheBackend):
 
     def get(self, key: str, default: Any = None) -> Any:
         rkey = self._key(key)
-        raw = self._call(lambda: self.client.get(rkey), None)
-        if raw is None:
+        sentinel = object()
+        value = self._decode(self._call(lambda: self._read(rkey), None), sentinel)
+        if value is sentinel:
             self._count("misses")
             return default
         self._count("hits")
-        return json.loads(raw)
+        return value
 
     def delete(self, key: str) -> bool:
         rkey = self._key(key)
@@ -142,35 +182,50 @@ class RedisBackend(CacheBackend):
         self._count("deletes", self._call(unlink_namespace, 0))
 
     def get_many(self, keys: Iterable[str]) -> dict[str, Any]:
-        keys = list(keys)
+        keys = _key_list(keys)
         rkeys = [self._key(k) for k in keys]
-        raws = self._call(lambda: self.client.mget(rkeys), None) if rkeys else []
+
+        def read() -> list:
+            pipe = self.client.pipeline(transaction=False)
+            for rkey in rkeys:
+                pipe.getrange(rkey, 0, self.max_value_bytes)
+            return pipe.execute(raise_on_error=False)
+
+        raws = self._call(read, None) if rkeys else []
         if raws is None:
             self._count("misses", len(keys))
             return {}
-        found = {k: json.loads(raw) for k, raw in zip(keys, raws) if raw is not None}
+        sentinel = object()
+        decoded = {k: self._decode(raw, sentinel) for k, raw in zip(keys, raws)}
+        found = {k: v for k, v in decoded.items() if v is not sentinel}
         self._count("hits", len(found))
         self._count("misses", len(keys) - len(found))
         return found
 
     def set_many(self, items: Mapping[str, Any], ttl: float | None = DEFAULT) -> None:  # type: ignore[assignment]
         """One round trip (a pipeline) for every item."""
+        check_type("items", items, Mapping)
         prepared = []
         for key, value in items.items():  # validate everything before writing anything
             rkey, payload = self._key(key), encode_value(key, value, self.max_value_bytes)
-            stored_ttl = self._ttl_to_store(ttl)
-            prepared.append((rkey, payload, None if stored_ttl is None else max(1, round(stored_ttl * 1000))))
+            prepared.append((rkey, payload, ttl_to_px(self._ttl_to_store(ttl))))
 
         def write() -> list:
             pipe = self.client.pipeline(transaction=False)
             for rkey, payload, px in prepared:
                 pipe.set(rkey, payload, px=px)
-            return pipe.execute()
+            return pipe.execute(raise_on_error=False)
 
-        if self._call(write, None) is None:
+        results = self._call(write, None) if prepared else []
+        if results is None:
             self._count("dropped_sets", len(prepared))
-        else:
-            self._count("sets", len(prepared))
+            return
+        for result in results:
+            if isinstance(result, Exception):  # a full server (OOM), a read-only replica, ...
+                self.redis.count_error(result)
+        stored = sum(1 for result in results if result is True)
+        self._count("sets", stored)
+        self._count("dropped_sets", len(prepared) - stored)
 
     def __len__(self) -> int:
         return self._call(lambda: sum(1 for _ in self.client.scan_iter(match=self.prefix + "*", count=1000)), 0)

@@ -10,7 +10,7 @@ import zlib
 from collections import Counter
 from typing import Any
 
-from memos_ref.errors import ConfigError
+from memos_ref.errors import ConfigError, check_type
 from memos_ref.memory.backend import DEFAULT, MISSING, CacheBackend
 from memos_ref.memory.store import TTLStore, validate_key
 
@@ -38,6 +38,7 @@ class ShardedStore(CacheBackend):
         seed: int = 0,
         **store_kwargs: Any,
     ) -> None:
+        check_type("shards", shards, int)
         if shards < 1:
             raise ConfigError(f"shards must be >= 1, got {shards}")
         super().__init__(default_ttl=default_ttl, negative_ttl=negative_ttl, ttl_jitter=ttl_jitter, seed=seed)

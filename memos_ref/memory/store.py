@@ -26,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from memos_ref.errors import CapacityExceededError, ConfigError
+from memos_ref.errors import ArgumentTypeError, CapacityExceededError, ConfigError, check_type
+from memos_ref.resilient import validate_ttl
 
 __all__ = ["POLICIES", "KVEntry", "TTLStore", "encode_value", "validate_key"]
 
@@ -37,7 +38,9 @@ _MAX_KEY = 250
 def validate_key(key: str) -> str:
     """Keys become Redis keys: printable, no whitespace or control characters, at most 250 characters."""
     # str.isprintable() is False for every whitespace character except the ASCII space, checked separately.
-    if not isinstance(key, str) or not 0 < len(key) <= _MAX_KEY or not key.isprintable() or " " in key:
+    if not isinstance(key, str):
+        raise ArgumentTypeError(f"key: expected str, got {type(key).__name__} ({key!r:.80})")
+    if not 0 < len(key) <= _MAX_KEY or not key.isprintable() or " " in key:
         raise ConfigError(f"invalid key {key!r}: expected 1-{_MAX_KEY} printable characters without whitespace")
     return key
 
@@ -47,8 +50,8 @@ def encode_value(key: str, value: Any, max_value_bytes: int) -> bytes:
     ``max_value_bytes`` (seed 002 §4.3, §7.3)."""
     try:
         payload = json.dumps(value, separators=(",", ":")).encode()
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"value for {key!r} is not JSON-serialisable: {exc}") from None
+    except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+        raise ConfigError(f"value for {key!r} is not JSON-serialisable: {type(exc).__name__}: {exc}") from None
     size = len(payload) + len(key)
     if size > max_value_bytes:
         raise CapacityExceededError(
@@ -98,10 +101,29 @@ class TTLStore:
         hybrid_weights: tuple[float, float] = (0.1, 1000.0),
         sample: int | None = 16,
     ) -> None:
+        for name, limit in (
+            ("max_entries", max_entries),
+            ("max_bytes", max_bytes),
+            ("max_value_bytes", max_value_bytes),
+        ):
+            check_type(name, limit, int)
+        check_type("policy", policy, str)
         if policy not in POLICIES:
             raise ConfigError(f"policy must be one of {POLICIES}, got {policy!r}")
         if min(max_entries, max_bytes, max_value_bytes) <= 0:
             raise ConfigError("capacity limits must be positive")
+        default_ttl = validate_ttl(default_ttl, "default_ttl")
+        if not callable(clock):
+            raise ArgumentTypeError(f"clock: expected a callable, got {type(clock).__name__}")
+        check_type("hybrid_weights", hybrid_weights, tuple)
+        if len(hybrid_weights) != 2:
+            raise ConfigError(f"hybrid_weights must be a pair (a, b), got {hybrid_weights!r}")
+        for w in hybrid_weights:
+            check_type("hybrid_weights[i]", w, (int, float))
+        if sample is not None:
+            check_type("sample", sample, int)
+            if sample < 1:
+                raise ConfigError(f"sample must be >= 1 or None, got {sample}")
         self.max_entries, self.max_bytes, self.max_value_bytes = max_entries, max_bytes, max_value_bytes
         self.policy, self.default_ttl, self.clock = policy, default_ttl, clock
         self.hybrid_a, self.hybrid_b = hybrid_weights
@@ -134,9 +156,7 @@ class TTLStore:
         validate_key(key)
         payload = encode_value(key, value, self.max_value_bytes)
         size = len(payload) + len(key)
-        ttl = self.default_ttl if ttl is ... else ttl
-        if ttl is not None and ttl <= 0:
-            raise ConfigError(f"ttl must be positive or None, got {ttl}")
+        ttl = validate_ttl(self.default_ttl if ttl is ... else ttl)
         now = self.clock()
         if key in self._entries:
             self._remove(key)

@@ -5,35 +5,63 @@ A backend stores opaque bytes (:mod:`memos_ref.tiering.blockfile` makes and chec
 has a byte budget and evicts its least recently used blocks to stay inside it — handing each to ``on_evict``
 first, so the tier store can demote it to the next tier (Redis: its own ``maxmemory`` policy, plus an optional
 TTL).
+
+What a backend reads is untrusted (another process, or anyone with write access to the directory or the
+server, may have put it there): reads are bounded by ``max_item_bytes`` (the tier store sets it to the largest
+block file its geometry allows) and a copy that cannot be a block — too large, not a regular file, a symlink —
+is answered as a miss and counted ``corrupt``. Nothing raises into the caller for what it finds stored.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import math
 import os
 import re
-import tempfile
+import secrets
+import socket
+import stat
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from memos_ref.errors import ConfigError
-from memos_ref.resilient import ResilientRedis
+from memos_ref.errors import ArgumentTypeError, ConfigError, check_type
+from memos_ref.resilient import DEFAULT_FAILURE_THRESHOLD, DEFAULT_TIMEOUT_S, ResilientRedis, ttl_to_px, validate_ttl
 
 __all__ = ["DiskBackend", "HostMemoryBackend", "RedisTierBackend", "TierBackend", "validate_block_key"]
 
 _KEY = re.compile(r"[A-Za-z0-9_-]{1,128}")
+#: Redis's largest string value: the default read bound of the Redis tier.
+_REDIS_MAX_VALUE = 512 * 2**20
+_BYTES = (bytes, bytearray, memoryview)
 
 
 def validate_block_key(key: str) -> str:
     """Block keys become file names and Redis keys: 1-128 of ``[A-Za-z0-9_-]`` (no dots, no slashes)."""
-    if not isinstance(key, str) or not _KEY.fullmatch(key):
+    if not isinstance(key, str):
+        raise ArgumentTypeError(f"block key: expected str, got {type(key).__name__} ({key!r:.80})")
+    if not _KEY.fullmatch(key):
         raise ConfigError(f"invalid block key {key!r}: expected 1-128 characters of [A-Za-z0-9_-]")
     return key
+
+
+def _check_data(data: object) -> None:
+    check_type("data", data, _BYTES)
+
+
+def _positive_int(name: str, value: object) -> int:
+    check_type(name, value, int)
+    if value <= 0:  # type: ignore[operator]
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    return value  # type: ignore[return-value]
 
 
 class TierBackend(ABC):
@@ -41,9 +69,15 @@ class TierBackend(ABC):
 
     name = "tier"
 
-    def __init__(self) -> None:
+    def __init__(self, max_item_bytes: int) -> None:
         self.counts: Counter[str] = Counter()
         self._lock = threading.RLock()
+        #: the largest stored item a read accepts (larger ones are answered as misses and counted corrupt)
+        self.max_item_bytes = _positive_int("max_item_bytes", max_item_bytes)
+
+    def limit_item_bytes(self, limit: int) -> None:
+        """Lower :attr:`max_item_bytes` to ``limit`` (the tier store passes its geometry's largest block file)."""
+        self.max_item_bytes = min(self.max_item_bytes, _positive_int("limit", limit))
 
     @abstractmethod
     def put(self, key: str, data: bytes) -> bool:
@@ -66,10 +100,11 @@ class TierBackend(ABC):
         return key in set(self.keys())
 
     def put_many(self, items: Mapping[str, bytes]) -> dict[str, bool]:
+        check_type("items", items, Mapping)
         return {k: self.put(k, v) for k, v in items.items()}
 
     def get_many(self, keys: Iterable[str]) -> dict[str, bytes]:
-        found = {k: self.get(k) for k in keys}
+        found = {k: self.get(k) for k in _key_list(keys)}
         return {k: v for k, v in found.items() if v is not None}
 
     def stats(self) -> dict[str, Any]:
@@ -80,10 +115,9 @@ class TierBackend(ABC):
 class _BudgetLRU(TierBackend):
     """Shared bookkeeping: sizes in least-recently-used order and eviction to a byte budget."""
 
-    def __init__(self, budget_bytes: int) -> None:
-        super().__init__()
-        if not isinstance(budget_bytes, int) or budget_bytes <= 0:
-            raise ConfigError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+    def __init__(self, budget_bytes: int, max_item_bytes: int | None = None) -> None:
+        budget_bytes = _positive_int("budget_bytes", budget_bytes)
+        super().__init__(budget_bytes if max_item_bytes is None else max_item_bytes)
         self.budget_bytes = budget_bytes
         self._sizes: OrderedDict[str, int] = OrderedDict()
         self._used = 0
@@ -112,7 +146,7 @@ class _BudgetLRU(TierBackend):
     def _reserve(self, key: str, size: int) -> bool:
         """Make room for ``size`` bytes under ``key`` (what it holds now will be replaced); False if it can
         never fit. The books change only in :meth:`_commit`, once the bytes are really stored."""
-        if size > self.budget_bytes:
+        if size > self.budget_bytes or size > self.max_item_bytes:
             self.counts["rejected"] += 1
             return False
         self._make_room(size - self._sizes.get(key, 0), keep=key)
@@ -143,6 +177,16 @@ class _BudgetLRU(TierBackend):
         """The stored bytes, without counting a hit or touching the LRU order."""
 
 
+def _key_list(keys: Iterable[str]) -> list[str]:
+    """``keys`` as a list of valid block keys (a lone string is refused: it would iterate characters)."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+        raise ArgumentTypeError(f"keys: expected an iterable of str, got {type(keys).__name__} ({keys!r:.80})")
+    out = list(keys)
+    for k in out:
+        validate_block_key(k)
+    return out
+
+
 class HostMemoryBackend(_BudgetLRU):
     """Blocks in host RAM (pinned when CUDA is available, so device copies can be asynchronous)."""
 
@@ -150,11 +194,14 @@ class HostMemoryBackend(_BudgetLRU):
 
     def __init__(self, budget_bytes: int, *, pin: bool | None = None) -> None:
         super().__init__(budget_bytes)
+        if pin is not None:
+            check_type("pin", pin, bool)
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._data: dict[str, Any] = {}
 
     def put(self, key: str, data: bytes) -> bool:
         validate_block_key(key)
+        _check_data(data)
         with self._lock:
             if not self._reserve(key, len(data)):
                 return False
@@ -178,6 +225,11 @@ class HostMemoryBackend(_BudgetLRU):
             if value is None:
                 self.counts["misses"] += 1
                 return None
+            if len(value) > self.max_item_bytes:  # stored before the tier store lowered the bound
+                self._drop(key)
+                self.counts["corrupt"] += 1
+                self.counts["misses"] += 1
+                return None
             self._sizes.move_to_end(key)
             self.counts["hits"] += 1
             return value.numpy().tobytes() if isinstance(value, torch.Tensor) else value
@@ -191,65 +243,260 @@ class HostMemoryBackend(_BudgetLRU):
         return value.numpy().tobytes() if isinstance(value, torch.Tensor) else value
 
 
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
+#: O_NONBLOCK: opening a FIFO planted as a block file returns at once (then fstat refuses it) instead of
+#: waiting for a writer forever.
+_READ_FLAGS = os.O_RDONLY | _O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _O_CLOEXEC
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
+#: errno values that mean "a path component is a symlink or not a directory": refused, never followed.
+_UNSAFE_ERRNOS = {errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.EMLINK}
+_SHARD = re.compile(r"[A-Za-z0-9_-]{1,2}")
+#: ``.tmp-{host}-{pid}-{token}``: the host tag and pid say whose in-flight write a temporary file is.
+_HOST = hashlib.blake2b(socket.gethostname().encode(errors="replace"), digest_size=4).hexdigest()
+_TMP = re.compile(r"\.tmp-([0-9a-f]{8})-([0-9]{1,10})-[0-9a-f]{1,64}")
+
+
+class _Unsafe(Exception):
+    """A directory entry that is not what a block file must be (a FIFO, a device, too large, ...)."""
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):  # alive but not ours, or not a valid pid: be careful
+        return True
+    return True
+
+
+def temp_name(pid: int | None = None) -> str:
+    """The name of a temporary file written by process ``pid`` (default: this one) on this host."""
+    return f".tmp-{_HOST}-{os.getpid() if pid is None else pid}-{secrets.token_hex(6)}"
+
+
 class DiskBackend(_BudgetLRU):
     """One file per block under ``root`` (``root/ab/abcd….kvb``), written atomically: a temporary file in the
     same directory, fsync, then rename — a crash leaves the old file or the new one, never half of one.
-    Existing files are adopted at start (oldest first in the LRU order)."""
+    Existing files are adopted at start (oldest first in the LRU order).
+
+    Confinement: ``root`` is resolved once, at construction; below it every directory is opened with
+    ``O_NOFOLLOW | O_DIRECTORY`` and every file relative to its directory's descriptor with ``O_NOFOLLOW``, so a
+    shard directory or a block file replaced by a symlink is refused (counted ``unsafe``) — nothing is ever
+    read, written or deleted outside ``root``. A read opens with ``O_NONBLOCK`` and checks with ``fstat`` that
+    it has a regular file of at most ``max_item_bytes`` before reading a byte (a FIFO, a device or a huge file
+    is a miss, counted ``corrupt``, and its directory entry is removed).
+
+    Temporary files are named ``.tmp-{host}-{pid}-{token}``; at start only stale ones are removed — written by
+    a process of this host that is no longer alive, or older than ``stale_tmp_s`` — so a backend starting in one
+    process never deletes another's write in flight. Unreadable directories, dangling symlinks and a read-only
+    root are skipped (counted), never raised.
+
+    Args:
+        root: the directory (created if missing).
+        budget_bytes: the most bytes of block files kept; least recently used ones are evicted beyond it.
+        max_item_bytes: the largest file read (default: ``budget_bytes``; the tier store lowers it to the
+            largest block file of its geometry).
+        stale_tmp_s: age after which any temporary file is considered abandoned.
+    """
 
     name = "disk"
     SUFFIX = ".kvb"
 
-    def __init__(self, root: str | Path, budget_bytes: int) -> None:
-        super().__init__(budget_bytes)
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        found = []
-        for path in self.root.glob(f"*/*{self.SUFFIX}"):
-            key = path.name[: -len(self.SUFFIX)]
-            if _KEY.fullmatch(key):
-                found.append((path.stat().st_mtime, key, path.stat().st_size))
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        budget_bytes: int,
+        *,
+        max_item_bytes: int | None = None,
+        stale_tmp_s: float = 3600.0,
+    ) -> None:
+        check_type("root", root, (str, os.PathLike))
+        super().__init__(budget_bytes, max_item_bytes)
+        check_type("stale_tmp_s", stale_tmp_s, (int, float))
+        if not math.isfinite(stale_tmp_s) or stale_tmp_s < 0:
+            raise ConfigError(f"stale_tmp_s must be finite and >= 0, got {stale_tmp_s!r}")
+        self.stale_tmp_s = float(stale_tmp_s)
+        try:
+            Path(root).mkdir(parents=True, exist_ok=True)
+            self.root = Path(root).resolve(strict=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot use {os.fspath(root)!r} as a disk tier root: {exc}") from None
+        if not self.root.is_dir():
+            raise ConfigError(f"disk tier root {str(self.root)!r} is not a directory")
+        found: list[tuple[float, str, int]] = []
+        for shard in self._shards():
+            found += self._scan_shard(shard)
         for _, key, size in sorted(found):
             self._sizes[key] = size
             self._used += size
-        for stale in self.root.glob("*/.tmp-*"):  # a crash mid-write leaves these; they were never renamed
-            stale.unlink(missing_ok=True)
 
+    # ------------------------------------------------------------------ paths, confined
     def path(self, key: str) -> Path:
         validate_block_key(key)
         return self.root / key[:2] / f"{key}{self.SUFFIX}"
 
+    @contextmanager
+    def _dir(self, shard: str, *, create: bool = False) -> Iterator[int]:
+        """A descriptor of ``root/shard``; raises OSError (ELOOP / ENOTDIR) if it is a symlink or a file."""
+        root_fd = os.open(self.root, _DIR_FLAGS)
+        try:
+            if create:
+                with suppress(FileExistsError):
+                    os.mkdir(shard, 0o755, dir_fd=root_fd)
+            fd = os.open(shard, _DIR_FLAGS, dir_fd=root_fd)
+        finally:
+            os.close(root_fd)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _failed(self, exc: OSError) -> None:
+        self.counts["unsafe" if exc.errno in _UNSAFE_ERRNOS else "errors"] += 1
+
+    def _shards(self) -> list[str]:
+        try:
+            with os.scandir(self.root) as it:
+                entries = list(it)
+        except OSError as exc:
+            self._failed(exc)
+            return []
+        shards = []
+        for entry in entries:
+            try:
+                is_dir = entry.is_dir(follow_symlinks=False)
+            except OSError:
+                is_dir = False
+            if is_dir and _SHARD.fullmatch(entry.name):
+                shards.append(entry.name)
+            elif _SHARD.fullmatch(entry.name):
+                self.counts["unsafe"] += 1  # a symlink or a file where a shard directory belongs: left alone
+        return sorted(shards)
+
+    def _scan_shard(self, shard: str) -> list[tuple[float, str, int]]:
+        """Adopt the block files of one shard and remove its stale temporary files."""
+        found = []
+        now = time.time()
+        try:
+            with self._dir(shard) as dfd:
+                for entry in list(os.scandir(dfd)):
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if entry.name.startswith(".tmp-"):
+                        if self._stale(entry.name, st, now):
+                            self._unlink(entry.name, dfd)
+                        continue
+                    key = entry.name[: -len(self.SUFFIX)] if entry.name.endswith(self.SUFFIX) else ""
+                    if not _KEY.fullmatch(key) or key[:2] != shard:
+                        continue
+                    if not stat.S_ISREG(st.st_mode) or st.st_size > self.max_item_bytes:
+                        self.counts["unsafe"] += 1  # a dangling symlink, a FIFO, a huge file: not adopted
+                        continue
+                    found.append((st.st_mtime, key, st.st_size))
+        except OSError as exc:  # unreadable, replaced by a symlink, gone
+            self._failed(exc)
+        return found
+
+    def _stale(self, name: str, st: os.stat_result, now: float) -> bool:
+        if not stat.S_ISREG(st.st_mode) or now - st.st_mtime >= self.stale_tmp_s:
+            return True
+        m = _TMP.fullmatch(name)
+        if m is None or m[1] != _HOST:  # another host's, or an unknown writer's: only its age decides
+            return False
+        pid = int(m[2])
+        return pid != os.getpid() and not _pid_alive(pid)
+
+    def _unlink(self, name: str, dfd: int) -> bool:
+        """Remove one directory entry (never what a symlink points to)."""
+        try:
+            os.unlink(name, dir_fd=dfd)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:  # a read-only directory, a directory where a file belongs
+            self._failed(exc)
+            return False
+
+    def _read(self, key: str) -> bytes:
+        """The file's bytes; raises OSError or :class:`_Unsafe`, having removed an unsafe entry."""
+        with self._dir(key[:2]) as dfd:
+            name = f"{key}{self.SUFFIX}"
+            try:
+                fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+            except OSError as exc:
+                if exc.errno in _UNSAFE_ERRNOS:  # a symlink (to /dev/zero, to a secret, ...)
+                    self._unlink(name, dfd)
+                    raise _Unsafe(f"{name} is a symlink or a directory") from None
+                raise
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size > self.max_item_bytes:
+                    self._unlink(name, dfd)
+                    raise _Unsafe(f"{name}: mode {st.st_mode:o}, {st.st_size} bytes")
+                return _read_bounded(fd, self.max_item_bytes)
+            finally:
+                os.close(fd)
+
+    def _lookup(self, key: str) -> bytes | None:
+        """The stored bytes, or None; a missing or unsafe file is forgotten from the books."""
+        try:
+            return self._read(key)
+        except _Unsafe:
+            self.counts["corrupt"] += 1
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                self._failed(exc)
+        if key in self._sizes:
+            self._used -= self._sizes.pop(key)
+        return None
+
+    # ------------------------------------------------------------------ the interface
     def put(self, key: str, data: bytes) -> bool:
-        path = self.path(key)
+        validate_block_key(key)
+        _check_data(data)
         with self._lock:
             if not self._reserve(key, len(data)):
                 return False
-            tmp = None
             try:
-                path.parent.mkdir(exist_ok=True)
-                fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-                with os.fdopen(fd, "wb") as fh:
-                    fh.write(data)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, path)
-            except OSError:
-                if tmp is not None:
-                    Path(tmp).unlink(missing_ok=True)
-                self.counts["errors"] += 1
+                self._write(key, data)
+            except OSError as exc:
+                self._failed(exc)
                 return False  # the old file, if any, is untouched and still counted
             self._commit(key, len(data))
             return True
 
+    def _write(self, key: str, data: bytes) -> None:
+        with self._dir(key[:2], create=True) as dfd:
+            tmp = temp_name()
+            fd = os.open(tmp, _WRITE_FLAGS, 0o644, dir_fd=dfd)
+            try:
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, f"{key}{self.SUFFIX}", src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                self._unlink(tmp, dfd)
+                raise
+
     def get(self, key: str) -> bytes | None:
-        path = self.path(key)
+        validate_block_key(key)
         with self._lock:
             if key not in self._sizes:
                 self.counts["misses"] += 1
                 return None
-            try:
-                data = path.read_bytes()
-            except OSError:
-                self._used -= self._sizes.pop(key)
+            data = self._lookup(key)
+            if data is None:
                 self.counts["misses"] += 1
                 return None
             self._sizes.move_to_end(key)
@@ -258,13 +505,31 @@ class DiskBackend(_BudgetLRU):
 
     def _drop(self, key: str) -> None:
         self._used -= self._sizes.pop(key)
-        self.path(key).unlink(missing_ok=True)
+        try:
+            with self._dir(key[:2]) as dfd:
+                self._unlink(f"{key}{self.SUFFIX}", dfd)
+        except OSError as exc:  # the shard directory is gone or was replaced by a symlink: delete nothing
+            if exc.errno != errno.ENOENT:
+                self._failed(exc)
 
     def _peek(self, key: str) -> bytes | None:
         try:
-            return self.path(key).read_bytes()
-        except OSError:
+            return self._read(key)
+        except (_Unsafe, OSError):
             return None
+
+
+def _read_bounded(fd: int, limit: int) -> bytes:
+    """Read ``fd`` to its end, refusing (as :class:`_Unsafe`) more than ``limit`` bytes."""
+    chunks, total = [], 0
+    while True:
+        chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+        if not chunk:
+            return b"".join(chunks)
+        total += len(chunk)
+        if total > limit:
+            raise _Unsafe(f"grew past {limit} bytes while being read")
+        chunks.append(chunk)
 
 
 class RedisTierBackend(TierBackend):
@@ -272,8 +537,11 @@ class RedisTierBackend(TierBackend):
 
     Keys are ``{namespace}:{fingerprint[:16]}:{tenant}:{key}``: blocks of one model never mix with another's,
     and tenants are separated. ``ttl`` (seconds) lets the server expire cold blocks; its ``maxmemory-policy``
-    evicts under pressure. Degraded mode as :class:`~memos_ref.resilient.ResilientRedis`: a dead server answers
-    misses quickly and drops writes.
+    evicts under pressure. Errors as :class:`~memos_ref.resilient.ResilientRedis`: every Redis error (a dead
+    server, a full one, a read-only replica, a value of another type planted at a key) is a miss or a dropped
+    write, counted by kind (``redis_errors_<kind>`` in :meth:`stats`); a dead server degrades after
+    ``failure_threshold`` consecutive failures. Reads fetch at most ``max_item_bytes + 1`` bytes (``GETRANGE``),
+    so a huge value planted by another client is a miss counted ``corrupt``, never a huge allocation.
     """
 
     name = "redis"
@@ -286,57 +554,102 @@ class RedisTierBackend(TierBackend):
         namespace: str = "memos-kv",
         tenant: str = "default",
         ttl: float | None = None,
-        timeout: float = 0.05,
+        timeout: float = DEFAULT_TIMEOUT_S,
         retry_after: float = 1.0,
+        failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
         redis: ResilientRedis | None = None,
+        max_item_bytes: int = _REDIS_MAX_VALUE,
     ) -> None:
-        super().__init__()
+        super().__init__(max_item_bytes)
         for label, value in (("namespace", namespace), ("tenant", tenant), ("fingerprint", fingerprint)):
-            if not isinstance(value, str) or not _KEY.fullmatch(value):  # no ':' or glob characters anywhere
+            check_type(label, value, str)
+            if not _KEY.fullmatch(value):  # no ':' or glob characters anywhere
                 raise ConfigError(f"{label} must be 1-128 of [A-Za-z0-9_-], got {value!r}")
-        if ttl is not None and ttl <= 0:
-            raise ConfigError(f"ttl must be positive or None, got {ttl}")
-        self.redis = redis or ResilientRedis(url, timeout=timeout, retry_after=retry_after)
+        self.ttl = validate_ttl(ttl)
+        if redis is not None:
+            check_type("redis", redis, ResilientRedis)
+        self.redis = redis or ResilientRedis(
+            url, timeout=timeout, retry_after=retry_after, failure_threshold=failure_threshold
+        )
         self.prefix = f"{namespace}:{fingerprint[:16]}:{tenant}:"
-        self.ttl = ttl
-        self._px = None if ttl is None else max(1, round(ttl * 1000))
+        self._px = ttl_to_px(self.ttl)
 
     def _k(self, key: str) -> str:
         return self.prefix + validate_block_key(key)
 
+    def _value(self, raw: object) -> bytes | None:
+        """One value read with GETRANGE: None when absent, of another type (an error object from a pipeline)
+        or larger than the bound (counted ``corrupt``)."""
+        if isinstance(raw, Exception):
+            self.redis.count_error(raw)
+            return None
+        if not isinstance(raw, bytes) or not raw:  # GETRANGE answers "" for a missing key
+            return None
+        if len(raw) > self.max_item_bytes:
+            self.counts["corrupt"] += 1
+            return None
+        return raw
+
     def put(self, key: str, data: bytes) -> bool:
         rkey = self._k(key)
-        ok = self.redis.call(lambda: self.redis.client.set(rkey, data, px=self._px), None)
+        _check_data(data)
+        ok = len(data) <= self.max_item_bytes and self.redis.call(
+            lambda: self.redis.client.set(rkey, bytes(data), px=self._px), None
+        )
         self.counts["puts" if ok else "dropped_puts"] += 1
         return bool(ok)
 
     def get(self, key: str) -> bytes | None:
         rkey = self._k(key)
-        data = self.redis.call(lambda: self.redis.client.get(rkey), None)
+        raw = self.redis.call(lambda: self.redis.client.getrange(rkey, 0, self.max_item_bytes), None)
+        data = self._value(raw)
         self.counts["hits" if data is not None else "misses"] += 1
         return data
 
     def get_many(self, keys: Iterable[str]) -> dict[str, bytes]:
-        keys = list(keys)
+        keys = _key_list(keys)
         rkeys = [self._k(k) for k in keys]
-        values = self.redis.call(lambda: self.redis.client.mget(rkeys), None) if rkeys else []
-        found = {k: v for k, v in zip(keys, values or []) if v is not None}
+
+        def read() -> list:
+            pipe = self.redis.client.pipeline(transaction=False)
+            for rkey in rkeys:
+                pipe.getrange(rkey, 0, self.max_item_bytes)
+            return pipe.execute(raise_on_error=False)
+
+        values = self.redis.call(read, None) if rkeys else []
+        found = {}
+        for k, raw in zip(keys, values or []):
+            data = self._value(raw)
+            if data is not None:
+                found[k] = data
         self.counts["hits"] += len(found)
         self.counts["misses"] += len(keys) - len(found)
         return found
 
     def put_many(self, items: Mapping[str, bytes]) -> dict[str, bool]:
-        prepared = [(self._k(k), v) for k, v in items.items()]
+        check_type("items", items, Mapping)
+        prepared = []
+        for k, v in items.items():
+            _check_data(v)
+            prepared.append((k, self._k(k), v))
+        small = [(k, rkey, v) for k, rkey, v in prepared if len(v) <= self.max_item_bytes]
 
         def write() -> list:
             pipe = self.redis.client.pipeline(transaction=False)
-            for rkey, data in prepared:
-                pipe.set(rkey, data, px=self._px)
-            return pipe.execute()
+            for _, rkey, data in small:
+                pipe.set(rkey, bytes(data), px=self._px)
+            return pipe.execute(raise_on_error=False)
 
-        ok = self.redis.call(write, None) is not None
-        self.counts["puts" if ok else "dropped_puts"] += len(prepared)
-        return dict.fromkeys(items, ok)
+        results = (self.redis.call(write, None) if small else []) or [None] * len(small)
+        ok = dict.fromkeys(items, False)
+        for (k, _, _), result in zip(small, results):
+            if isinstance(result, Exception):
+                self.redis.count_error(result)
+            ok[k] = result is True
+        stored = sum(ok.values())
+        self.counts["puts"] += stored
+        self.counts["dropped_puts"] += len(ok) - stored
+        return ok
 
     def delete(self, key: str) -> bool:
         rkey = self._k(key)
@@ -346,27 +659,40 @@ class RedisTierBackend(TierBackend):
         rkey = self._k(key)
         return bool(self.redis.call(lambda: self.redis.client.exists(rkey), 0))
 
+    def _scan(self) -> list[bytes]:
+        return self.redis.call(lambda: list(self.redis.client.scan_iter(match=self.prefix + "*", count=1000)), [])
+
     def keys(self) -> list[str]:
-        n = len(self.prefix)
-        found = self.redis.call(
-            lambda: [k.decode()[n:] for k in self.redis.client.scan_iter(match=self.prefix + "*", count=1000)], []
-        )
-        return found
+        """The block keys of this namespace. Keys another client planted under the prefix that are not valid
+        block keys (not UTF-8, wrong characters) are skipped and counted ``foreign_keys``."""
+        prefix, out = self.prefix.encode(), []
+        for rkey in self._scan():
+            try:
+                key = rkey[len(prefix) :].decode("ascii") if rkey.startswith(prefix) else ""
+            except UnicodeDecodeError:
+                key = ""
+            if _KEY.fullmatch(key):
+                out.append(key)
+            else:
+                self.counts["foreign_keys"] += 1
+        return out
 
     @property
     def nbytes(self) -> int:
         def total() -> int:
+            keys = self._scan()
+            if not keys:
+                return 0
             pipe = self.redis.client.pipeline(transaction=False)
-            keys = list(self.redis.client.scan_iter(match=self.prefix + "*", count=1000))
             for k in keys:
                 pipe.strlen(k)
-            return sum(pipe.execute()) if keys else 0
+            return sum(n for n in pipe.execute(raise_on_error=False) if isinstance(n, int))  # skip other types
 
         return self.redis.call(total, 0)
 
     def clear(self) -> None:
         """Remove this namespace's blocks (SCAN + UNLINK; never FLUSHDB on a shared server)."""
-        keys = self.redis.call(lambda: list(self.redis.client.scan_iter(match=self.prefix + "*", count=1000)), [])
+        keys = self._scan()
         for i in range(0, len(keys), 1000):
             self.redis.call(lambda i=i: self.redis.client.unlink(*keys[i : i + 1000]), 0)
 

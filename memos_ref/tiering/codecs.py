@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memos_ref.errors import BackendUnavailableError, ConfigError, CorruptCacheError
+from memos_ref.errors import BackendUnavailableError, ConfigError, CorruptCacheError, check_type
 
 __all__ = ["CODECS", "Codec", "get_codec", "shuffle", "unshuffle"]
 
@@ -57,21 +57,65 @@ class Codec:
             return zstandard.ZstdCompressor(level=self.level).compress(data)
         return data
 
-    def decode(self, data: bytes, itemsize: int) -> bytes:
+    def decode(self, data: bytes | memoryview, itemsize: int, size: int | None = None) -> bytes:
+        """Decompress (and unshuffle) ``data``.
+
+        ``size`` is the exact length the output must have (the block's raw size, from the geometry): a frame
+        that declares another length, or that would decompress to more, is refused with
+        :class:`~memos_ref.errors.CorruptCacheError` before anything larger than ``size`` is allocated — a
+        tier file of a few kilobytes cannot make a read allocate gigabytes. ``None`` (trusted input only)
+        leaves the output unbounded.
+        """
         try:
             if self.algorithm == "lz4":
-                import lz4.frame
-
-                data = lz4.frame.decompress(data)
+                out = _lz4_decode(data, size)
             elif self.algorithm == "zstd":
-                import zstandard
-
-                data = zstandard.ZstdDecompressor().decompress(data)
+                out = _zstd_decode(data, size)
+            elif size is not None and len(data) != size:  # checked before copying anything
+                raise CorruptCacheError(f"holds {len(data)} bytes, expected {size}")
+            else:
+                out = bytes(data)
         except ImportError as exc:  # a missing library is not a damaged block: never delete a good copy for it
             raise BackendUnavailableError(f"{self.name} needs a library that is not installed: {exc}") from None
+        except CorruptCacheError as exc:
+            raise CorruptCacheError(f"{self.name}: {exc}") from None
         except Exception as exc:  # lz4 and zstd raise their own error types on damaged input
             raise CorruptCacheError(f"{self.name}: cannot decompress ({type(exc).__name__}: {exc})") from None
-        return unshuffle(data, itemsize) if self.shuffled else data
+        if size is not None and len(out) != size:
+            raise CorruptCacheError(f"{self.name}: decompressed to {len(out)} bytes, expected {size}")
+        return unshuffle(out, itemsize) if self.shuffled else out
+
+
+def _lz4_decode(data: bytes | memoryview, size: int | None) -> bytes:
+    import lz4.frame
+
+    if size is None:
+        return lz4.frame.decompress(data)
+    declared = lz4.frame.get_frame_info(data).get("content_size", 0)
+    if declared and declared != size:  # 0: the frame does not say
+        raise CorruptCacheError(f"frame declares {declared} bytes, expected {size}")
+    decompressor = lz4.frame.LZ4FrameDecompressor()
+    out = decompressor.decompress(data, max_length=size)  # never more than size bytes
+    if not decompressor.eof:
+        raise CorruptCacheError(f"frame decompresses to more than {size} bytes (or is truncated)")
+    return out
+
+
+#: zstd's "content size unknown" marker.
+_ZSTD_UNKNOWN = 2**64 - 1
+
+
+def _zstd_decode(data: bytes | memoryview, size: int | None) -> bytes:
+    import zstandard
+
+    if size is None:
+        return zstandard.ZstdDecompressor().decompress(data)
+    declared = zstandard.get_frame_parameters(data).content_size
+    if declared != _ZSTD_UNKNOWN and declared != size:
+        raise CorruptCacheError(f"frame declares {declared} bytes, expected {size}")
+    # One-shot: the output buffer is the declared size (checked above) or at most max_output_size; no window
+    # buffer is allocated for a one-shot decode.
+    return zstandard.ZstdDecompressor().decompress(data, max_output_size=max(size, 1))
 
 
 #: Every codec compared by ``bench tiering``, by name.
@@ -92,6 +136,7 @@ CODECS: dict[str, Codec] = {
 
 def get_codec(name: str) -> Codec:
     """A codec by name (``none``, ``lz4``, ``lz4+shuffle``, ``zstd-N``, ``zstd-N+shuffle``)."""
+    check_type("name", name, str)
     if name in CODECS:
         return CODECS[name]
     base, _, suffix = name.partition("+")

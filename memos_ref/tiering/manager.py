@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from memos_ref.errors import ConfigError
+from memos_ref.errors import ArgumentTypeError, ConfigError, InvalidArgumentError, check_index, check_type
 from memos_ref.paged.allocator import BlockState
 from memos_ref.paged.store import PagedKV
 from memos_ref.tiering.policies import BlockHistory, priority_function
@@ -72,6 +72,15 @@ class TierManager:
         write_back: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        check_type("kv", kv, PagedKV)
+        check_type("store", store, TierStore)
+        for name, value in (("high_watermark", high_watermark), ("low_watermark", low_watermark)):
+            _finite(name, value)
+        _finite("min_residency_s", min_residency_s)
+        check_type("policy", policy, str)
+        check_type("reload", reload, str)
+        check_type("write_back", write_back, bool)
+        _callable("clock", clock)
         if kv.prefix_cache is None:
             raise ConfigError("tiering needs a PagedKV with prefix caching (blocks are stored under prefix hashes)")
         if getattr(kv.pool, "quantized", False):
@@ -134,25 +143,29 @@ class TierManager:
         """Never swap out the blocks with these prefix hashes (e.g. the current system prompts) in :meth:`step`.
         The allocator may still evict a pinned block that nobody holds when it runs out of free blocks; it is
         written back to the first tier first, like any other."""
-        self.pinned.update(hashes)
+        self.pinned.update(_hashes(hashes))
 
     def unpin(self, hashes: Iterable[bytes]) -> None:
-        self.pinned.difference_update(hashes)
+        self.pinned.difference_update(_hashes(hashes))
 
     def label(self, hashes: Iterable[bytes], kind: str) -> None:
         """Tell the ``priority`` policy what these blocks hold (``system``, ``tools``, ``memory``, ``turn``)."""
-        for h in hashes:
+        check_type("kind", kind, str)
+        for h in _hashes(hashes):
             self.kinds[h] = kind
 
     def residency(self, block_hash: bytes) -> str | None:
         """Where the block with this prefix hash lives: ``"device"``, a tier's name, or None."""
+        check_type("block_hash", block_hash, bytes)
         if block_hash in self.kv.prefix_cache._block_of:
             return "device"
         return self.store.locate(block_hash.hex())
 
     def touch(self, blocks: Iterable[int], now: float | None = None) -> None:
         """Record a use of ``blocks`` (the policies rank by these)."""
-        now = self.clock() if now is None else now
+        now = self.clock() if now is None else _finite("now", now)
+        hi = self.kv.allocator.num_blocks - 1
+        blocks = [check_index("blocks[i]", b, lo=0, hi=hi) for b in _iterable("blocks", blocks)]
         with self._lock:
             for b in blocks:
                 self.history.setdefault(b, BlockHistory()).touch(now)
@@ -164,7 +177,9 @@ class TierManager:
 
     def swap_rate(self, now: float | None = None, window_s: float = 10.0) -> float:
         """Blocks swapped (in or out) per second over the last ``window_s`` seconds."""
-        now = self.clock() if now is None else now
+        now = self.clock() if now is None else _finite("now", now)
+        if _finite("window_s", window_s) <= 0:
+            raise InvalidArgumentError(f"window_s must be > 0 seconds, got {window_s!r}")
         with self._events_lock:
             events = list(self.swap_events)
         return sum(1 for t in events if now - t <= window_s) / window_s
@@ -235,7 +250,7 @@ class TierManager:
 
     def step(self, now: float | None = None) -> dict[str, Any]:
         """Enforce the watermarks once. Returns what happened (utilization before and after, blocks moved)."""
-        now = self.clock() if now is None else now
+        now = self.clock() if now is None else _finite("now", now)
         with self._lock:
             before = self.utilization()
             report = {"utilization_before": before, "swapped_out": 0, "suspended_blocks": 0}
@@ -257,6 +272,8 @@ class TierManager:
     # ------------------------------------------------------------------ swap-in
     def recompute_seconds(self, start: int, stop: int) -> float | None:
         """Estimated time to prefill positions ``start..stop`` (from :meth:`calibrate`), or None."""
+        start = check_index("start", start, lo=0)
+        stop = check_index("stop", stop, lo=0)
         if self._recompute_fit is None:
             return None
         a, b, c = self._recompute_fit
@@ -268,6 +285,8 @@ class TierManager:
 
     def reload_seconds(self, tier: str, blocks: int) -> float | None:
         """Estimated time to bring ``blocks`` back from ``tier`` (measured per block), or None."""
+        check_type("tier", tier, str)
+        blocks = check_index("blocks", blocks, lo=0)
         per = self._block_seconds.get(tier)
         if per is None:
             bw = self.store.bandwidth(tier)
@@ -397,6 +416,9 @@ class TierManager:
     def prefetch(self, token_ids: Sequence[int], cache_salt: str | None = None, max_blocks: int = 8) -> int:
         """Bring up to ``max_blocks`` of a prompt's blocks from the tiers to the device ahead of its request
         (seed 001 §3.1); they wait there as cached blocks. Returns how many were fetched by this call."""
+        max_blocks = check_index("max_blocks", max_blocks, lo=0)
+        if cache_salt is not None:
+            check_type("cache_salt", cache_salt, str)
         t, pc = self.kv.spec.block_size, self.kv.prefix_cache
         token_ids = list(token_ids)
         device = pc.lookup(token_ids, cache_salt)
@@ -461,6 +483,8 @@ class TierManager:
     def break_even_tokens(self, tier: str, max_tokens: int = 1 << 17) -> int | None:
         """The shortest context (a multiple of the block size) from which reloading it from ``tier`` is faster
         than recomputing it, by the measured costs; None if recomputing always wins up to ``max_tokens``."""
+        check_type("tier", tier, str)
+        max_tokens = check_index("max_tokens", max_tokens, lo=0)
         t = self.kv.spec.block_size
         n = t
         while n <= max_tokens:
@@ -475,6 +499,8 @@ class TierManager:
     # ------------------------------------------------------------------ background driver
     def start(self, interval_s: float = 0.5) -> None:
         """Call :meth:`step` every ``interval_s`` seconds from a daemon thread (seed 000 §4.2)."""
+        if _finite("interval_s", interval_s) <= 0:
+            raise InvalidArgumentError(f"interval_s must be > 0 seconds, got {interval_s!r}")
         if self._thread is not None:
             return
         self._stop.clear()
@@ -507,3 +533,30 @@ class TierManager:
             "policy": self.policy_name,
             "tiers": self.store.stats(),
         }
+
+
+def _finite(name: str, value: object) -> float:
+    """A finite real number (not a bool), as a float."""
+    check_type(name, value, (int, float))
+    if not math.isfinite(value):  # type: ignore[arg-type]
+        raise InvalidArgumentError(f"{name} must be finite, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _callable(name: str, value: object) -> None:
+    if not callable(value):
+        raise ArgumentTypeError(f"{name}: expected a callable, got {type(value).__name__} ({value!r:.80})")
+
+
+def _iterable(name: str, value: object) -> Iterable:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ArgumentTypeError(f"{name}: expected an iterable, got {type(value).__name__} ({value!r:.80})")
+    return value
+
+
+def _hashes(hashes: Iterable[bytes]) -> list[bytes]:
+    """Prefix hashes (bytes), validated before anything is changed."""
+    out = list(_iterable("hashes", hashes))
+    for h in out:
+        check_type("hashes[i]", h, bytes)
+    return out

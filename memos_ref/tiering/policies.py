@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from memos_ref.errors import ConfigError
+from memos_ref.errors import ConfigError, check_type
 
 __all__ = ["KIND_RANK", "POLICIES", "BlockHistory", "priority_function"]
 
@@ -79,6 +79,7 @@ POLICIES: dict[str, Callable[[BlockHistory, float], float]] = {
 
 def priority_function(policy: str) -> Callable[[BlockHistory, float], float]:
     """The priority function of a policy by name."""
+    check_type("policy", policy, str)
     if policy not in POLICIES:
         raise ConfigError(f"unknown eviction policy {policy!r}: expected one of {sorted(POLICIES)}")
     return POLICIES[policy]

@@ -18,10 +18,17 @@ from typing import Any
 
 import torch
 
-from memos_ref.errors import BackendUnavailableError, ConfigError, CorruptCacheError
+from memos_ref.errors import (
+    ArgumentTypeError,
+    BackendUnavailableError,
+    ConfigError,
+    CorruptCacheError,
+    check_index,
+    check_type,
+)
 from memos_ref.spec import KVSpec
 from memos_ref.tiering.backends import TierBackend, validate_block_key
-from memos_ref.tiering.blockfile import decode_block, encode_block
+from memos_ref.tiering.blockfile import decode_block, encode_block, max_encoded_bytes
 from memos_ref.tiering.codecs import Codec
 
 __all__ = ["Tier", "TierStore"]
@@ -49,10 +56,19 @@ class TierStore:
     """
 
     def __init__(self, tiers: list[Tier], *, spec: KVSpec, fingerprint: str) -> None:
+        check_type("tiers", tiers, (list, tuple))
+        for i, t in enumerate(tiers):
+            check_type(f"tiers[{i}]", t, Tier)
+            check_type(f"tiers[{i}].backend", t.backend, TierBackend)
+            check_type(f"tiers[{i}].codec", t.codec, Codec)
+        check_type("spec", spec, KVSpec)
+        check_type("fingerprint", fingerprint, str)
         names = [t.name for t in tiers]
         if not tiers or len(set(names)) != len(names):
             raise ConfigError(f"tiers must be a non-empty list with distinct names, got {names}")
-        self.tiers, self.spec, self.fingerprint = tiers, spec, fingerprint
+        self.tiers, self.spec, self.fingerprint = list(tiers), spec, fingerprint
+        for t in self.tiers:  # no tier reads more than the largest block file of this geometry
+            t.backend.limit_item_bytes(max_encoded_bytes(spec))
         self.by_name = {t.name: t for t in tiers}
         self.counts: dict[str, Counter[str]] = {t.name: Counter() for t in tiers}
         self._bandwidth: dict[str, float] = {}
@@ -69,8 +85,10 @@ class TierStore:
         return demote
 
     def tier(self, name: str | int) -> Tier:
-        if isinstance(name, int):
-            return self.tiers[name]
+        """A tier by name or by position (0 = fastest)."""
+        if isinstance(name, int) and not isinstance(name, bool):
+            return self.tiers[check_index("tier", name, lo=0, hi=len(self.tiers) - 1)]
+        check_type("tier", name, (str, int))
         if name not in self.by_name:
             raise ConfigError(f"unknown tier {name!r}: expected one of {list(self.by_name)}")
         return self.by_name[name]
@@ -105,6 +123,11 @@ class TierStore:
     def get(self, key: str, *, tiers: list[str] | None = None) -> tuple[torch.Tensor, str] | None:
         """The block stored under ``key`` and the tier it came from, or None (absent, or every copy damaged)."""
         validate_block_key(key)
+        if tiers is not None:
+            if isinstance(tiers, str) or not isinstance(tiers, (list, tuple, set, frozenset)):
+                raise ArgumentTypeError(f"tiers: expected a list of tier names or None, got {type(tiers).__name__}")
+            for name in tiers:
+                self.tier(name)  # unknown names are refused, not silently skipped
         for target in self.tiers:
             if tiers is not None and target.name not in tiers:
                 continue
@@ -139,14 +162,19 @@ class TierStore:
 
     def delete(self, key: str) -> int:
         """Remove ``key`` from every tier; returns how many copies were removed."""
+        validate_block_key(key)
         return sum(int(t.backend.delete(key)) for t in self.tiers)
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for t in self.tiers:
+            backend = t.backend.stats()
+            mine = self.counts[t.name]
             out[t.name] = {
-                **t.backend.stats(),
-                **self.counts[t.name],
+                **backend,
+                **mine,
+                # both count damaged copies: the backend what it refused to read, the store what failed to decode
+                "corrupt": backend.get("corrupt", 0) + mine.get("corrupt", 0),
                 "codec": t.codec.name,
                 "bandwidth_bytes_per_s": self._bandwidth.get(t.name),
             }
