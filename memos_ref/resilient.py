@@ -59,16 +59,34 @@ DEFAULT_FAILURE_THRESHOLD = 3
 MAX_TTL_S = 2**53 / 1000
 
 _CODE = re.compile(r"[A-Z][A-Z_-]{1,31}")
+#: redis-py's exception classes for server replies, by the reply's error code (lower case)
+_KINDS = {
+    "ReadOnlyError": "readonly",
+    "OutOfMemoryError": "oom",
+    "MovedError": "moved",
+    "AskError": "ask",
+    "TryAgainError": "tryagain",
+    "MasterDownError": "masterdown",
+    "ClusterDownError": "clusterdown",
+    "ClusterCrossSlotError": "crossslot",
+    "NoPermissionError": "noperm",
+    "NoScriptError": "noscript",
+    "ExecAbortError": "execabort",
+    "BusyLoadingError": "loading",
+}
 
 
 def error_kind(exc: BaseException) -> str:
     """A short, bounded label for a Redis error: the server's error code (``wrongtype``, ``oom``,
     ``readonly``, ``moved``, ...) when the reply has one, else the exception's class name in lower case."""
     code = getattr(exc, "status_code", None)
-    if not isinstance(code, str) or not _CODE.fullmatch(code):
-        first = str(exc).split(" ", 1)[0] if exc.args else ""
-        code = first if _CODE.fullmatch(first) else type(exc).__name__
-    return code.lower().replace("-", "_")
+    if isinstance(code, str) and _CODE.fullmatch(code):
+        return code.lower().replace("-", "_")
+    for cls in type(exc).__mro__:  # raised without a status code: the class says which reply it stands for
+        if cls.__name__ in _KINDS:
+            return _KINDS[cls.__name__]
+    first = str(exc).split(" ", 1)[0] if exc.args else ""
+    return (first if _CODE.fullmatch(first) else type(exc).__name__).lower().replace("-", "_")
 
 
 def validate_ttl(ttl: object, name: str = "ttl") -> float | None:

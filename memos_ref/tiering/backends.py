@@ -680,12 +680,12 @@ class RedisTierBackend(TierBackend):
     @property
     def nbytes(self) -> int:
         def total() -> int:
-            keys = self._scan()
+            keys = self.keys()  # block keys only: what other clients planted under the prefix is not ours
             if not keys:
                 return 0
             pipe = self.redis.client.pipeline(transaction=False)
             for k in keys:
-                pipe.strlen(k)
+                pipe.strlen(self.prefix + k)
             return sum(n for n in pipe.execute(raise_on_error=False) if isinstance(n, int))  # skip other types
 
         return self.redis.call(total, 0)
