@@ -3,12 +3,22 @@ after fork() of a prefilled prefix; with a prefix-cache hit; in batches; with cl
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
 
 from memos_ref.caches import ContiguousCache
-from memos_ref.errors import DTypeError, OutOfBlocksError, ShapeError
+from memos_ref.errors import (
+    ArgumentTypeError,
+    DTypeError,
+    InvalidArgumentError,
+    LayerIndexError,
+    OutOfBlocksError,
+    ShapeError,
+    UseAfterFreeError,
+)
 from memos_ref.hf import PagedCache
 from memos_ref.model.tokenizer import ByteTokenizer
 from memos_ref.paged import PagedKV
@@ -168,4 +178,139 @@ def test_from_prefix_counts_only_tokens_reused_by_every_row(shipped_pair):
     assert reused == 16  # the second row shares only the first block
     assert kv.prefix_cache.stats()["prefix_hit_tokens"] == 2 * reused
     hit.free()
+    kv.check()
+
+
+# ---------------------------------------------------------------------------------------------- lifetime (issue 13.6)
+def test_dropped_caches_free_their_blocks_so_a_request_loop_never_runs_out(shipped_pair):
+    _, hf = shipped_pair
+    kv = _kv(shipped_pair[0], num_blocks=32)
+    ids = tok("def f(x):\n")  # 11 tokens + 53 new = 64 tokens = 4 blocks: 8 requests fill the pool
+    outputs = []
+    for _ in range(12):  # a new PagedCache per request, never freed
+        outputs.append(_greedy(hf, ids, PagedCache(kv), n=53))
+    assert all(torch.equal(out, outputs[0]) for out in outputs)
+    assert kv.allocator.num_active == 0 and not kv.sequences  # every dropped cache gave its blocks back
+    kv.check()
+
+
+def test_out_of_blocks_says_what_to_do_and_changes_nothing(shipped_pair):
+    ours, _ = shipped_pair
+    kv = PagedKV(ours.kv_spec(block_size=16), 8)
+    held = [PagedCache(kv) for _ in range(2)]  # live caches: their blocks cannot be reclaimed
+    with torch.no_grad():
+        for cache in held:
+            ours(tok("a" * 60), cache)  # 61 tokens: 4 blocks each
+    before = kv.allocator.stats()
+    late = PagedCache(kv)
+    with pytest.raises(OutOfBlocksError, match=r"cache\.free\(\)") as info:
+        ours(tok("b" * 20), late)
+    assert "2 sequences" in str(info.value) and info.value.needed == 2
+    assert kv.allocator.stats() == before and not late.sequences
+    held[0].free()
+    with torch.no_grad():
+        ours(tok("b" * 20), late)  # room again
+    kv.check()
+
+
+def test_deepcopy_of_a_prompt_cache_is_a_fork_as_in_transformers_prompt_reuse(shipped_pair):
+    """transformers' recipe: prefill a prompt cache once, ``copy.deepcopy`` it per question, generate."""
+    _, hf = shipped_pair
+    kv = _kv(shipped_pair[0], num_blocks=64)
+    prompt = tok("import os\nimport sys\n\n\ndef main(")  # 32 tokens: two full blocks and a partial one
+    prompt_cache, reference_cache = PagedCache(kv), DynamicCache()
+    with torch.no_grad():
+        hf(prompt, cache=prompt_cache)
+        hf(prompt, cache=reference_cache)
+    questions = [tok("argv):\n", add_bos=False), tok("path, mode):\n", add_bos=False)]
+    copies = []
+    for question in questions:
+        full = torch.cat([prompt, question], dim=1)
+        blocks = kv.allocator.num_active
+        mine = copy.deepcopy(prompt_cache)
+        assert isinstance(mine, PagedCache) and kv.allocator.num_active == blocks  # shared, nothing copied
+        expected = _greedy(hf, full, copy.deepcopy(reference_cache), n=20)
+        assert torch.equal(_greedy(hf, full, mine, n=20), expected)
+        copies.append((mine, full, expected))
+    first, second = copies
+    kept = [second[0].sequences[0].to_dense(layer) for layer in range(kv.spec.num_layers)]
+    first[0].free()  # freeing one copy changes neither the other nor the prompt cache
+    for layer, (k, v) in enumerate(kept):
+        got_k, got_v = second[0].sequences[0].to_dense(layer)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    again = copy.deepcopy(prompt_cache)
+    assert torch.equal(_greedy(hf, second[1], again, n=20), second[2])
+    assert prompt_cache.get_seq_length() == prompt.shape[1]
+    kv.check()
+
+
+def test_use_after_free_raises_and_changes_nothing(shipped_pair):
+    ours, _ = shipped_pair
+    kv = _kv(ours)
+    cache = PagedCache(kv)
+    with torch.no_grad():
+        ours(tok("x = 1\n"), cache)
+    with PagedCache(kv) as scoped, torch.no_grad():
+        ours(tok("y = 2\n"), scoped)
+    assert scoped.is_freed
+    cache.free()
+    cache.free()  # a second free does nothing
+    before = kv.allocator.stats()
+    k = torch.zeros(1, 2, 1, 32)
+    for call in (
+        lambda: cache.update(k, k, 0),
+        lambda: ours(tok("z", add_bos=False), cache),
+        cache.fork,
+        lambda: copy.deepcopy(cache),
+        lambda: cache.crop(-1),
+        lambda: cache.set_token_ids(torch.zeros(0, 0, dtype=torch.long)),
+    ):
+        with pytest.raises(UseAfterFreeError, match="freed"):
+            call()
+    assert kv.allocator.stats() == before and kv.allocator.num_active == 0
+    kv.check()
+
+
+def test_reset_keeps_the_cache_usable(shipped_pair):
+    ours, _ = shipped_pair
+    kv = _kv(ours)
+    cache = PagedCache(kv)
+    with torch.no_grad():
+        first = ours(tok("x = 1\n"), cache)
+        cache.reset()
+        assert kv.allocator.num_active == 0 and cache.get_seq_length() == 0
+        assert torch.equal(ours(tok("x = 1\n"), cache), first)
+    kv.check()
+
+
+# ---------------------------------------------------------------------------------------------- argument types (13.16)
+def test_wrong_argument_types_raise_the_package_errors(shipped_pair):
+    ours, _ = shipped_pair
+    kv = _kv(ours)
+    other = _kv(ours)
+    cases = [
+        (lambda: PagedCache("kv"), ArgumentTypeError, "kv: expected PagedKV, got str"),
+        (lambda: PagedCache(kv, direct="yes"), ArgumentTypeError, "direct: expected bool, got str"),
+        (lambda: PagedCache(kv, cache_salt=3), ArgumentTypeError, "cache_salt: expected str, got int"),
+        (lambda: PagedCache(kv, [object()]), ArgumentTypeError, r"sequences\[0\]: expected SequenceCache"),
+        (lambda: PagedCache(kv, other.new_sequence()), ArgumentTypeError, "sequences: expected list or tuple"),
+        (lambda: PagedCache(kv, [other.new_sequence()]), InvalidArgumentError, "another PagedKV"),
+        (lambda: PagedCache.from_prefix(kv, [[1, 2, 3]]), ArgumentTypeError, "input_ids: expected Tensor, got list"),
+        (lambda: PagedCache(kv).update([0.0], [0.0], 0), ArgumentTypeError, "key_states: expected Tensor, got list"),
+        (
+            lambda: PagedCache(kv).update(torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 32), "0"),
+            ArgumentTypeError,
+            "layer_idx: expected int, got str",
+        ),
+        (
+            lambda: PagedCache(kv).update(torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 32), 9),
+            LayerIndexError,
+            r"not in \[0, 4\)",
+        ),
+        (lambda: PagedCache(kv).crop(-1.5), ArgumentTypeError, "tokens_to_remove: expected int, got float"),
+    ]
+    for call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call()
+    assert kv.allocator.num_active == 0 and not kv.sequences
     kv.check()
