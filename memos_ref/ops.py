@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from memos_ref.errors import BackendUnavailableError, ConfigError
+from memos_ref.errors import BackendUnavailableError, ConfigError, ShapeError, check_type
 
 __all__ = ["MODES", "kernel_mode", "paged_decode", "use_kernels"]
 
@@ -83,6 +83,16 @@ def paged_decode(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Decode attention ``query [B, Hq, D]`` over paged caches ``[N, H, T, D]``: the kernel or the reference."""
+    for name, value in (
+        ("query", query),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+    ):
+        check_type(name, value, torch.Tensor)
+    if query.ndim != 3:
+        raise ShapeError(f"query: expected [batch, q_heads, head_dim] (one decode step), got {tuple(query.shape)}")
     if use_kernels(query.device) and _kernel_fits(query, key_cache, value_cache):
         return _triton().paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=scale)
     from memos_ref.attention import paged_attention

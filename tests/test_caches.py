@@ -10,7 +10,15 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from memos_ref.caches import ConcatCache, ContiguousCache
-from memos_ref.errors import CapacityExceededError, ConfigError, DeviceError, DTypeError, LayerIndexError, ShapeError
+from memos_ref.errors import (
+    ArgumentTypeError,
+    CapacityExceededError,
+    ConfigError,
+    DeviceError,
+    DTypeError,
+    LayerIndexError,
+    ShapeError,
+)
 from memos_ref.model.tokenizer import ByteTokenizer
 
 NEW_TOKENS = 64
@@ -253,3 +261,31 @@ def test_fp16_left_padding_stays_finite():
     assert out.shape == (2, ids.shape[1] + 8)
     with torch.no_grad():
         assert torch.isfinite(model(ids, attention_mask=mask)).all()
+
+
+# ----------------------------------------------------------------------------- argument types (issue 13.16)
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: ContiguousCache(capacity="256"), "capacity: expected int, got str"),
+        (lambda: ContiguousCache(capacity=True), "capacity: expected int, got bool"),
+        (lambda: ContiguousCache(growth_factor="1.5"), "growth_factor: expected int or float, got str"),
+        (lambda: ContiguousCache(layout=0), "layout: expected str, got int"),
+        (lambda: ConcatCache(num_layers=2.0), "num_layers: expected int, got float"),
+        (lambda: ContiguousCache(num_layers=1).update([0.0], torch.zeros(1), 0), "key_states: expected Tensor"),
+        (lambda: ConcatCache().update(torch.zeros(1, 1, 1, 1), None, 0), "value_states: expected Tensor, got NoneType"),
+        (lambda: ConcatCache().update(*_kv(1, 1, 1, 1), "0"), "layer_idx: expected int, got str"),
+        (lambda: ContiguousCache(num_layers=1).crop(-1.0), "tokens_to_remove: expected int, got float"),
+    ],
+)
+def test_wrong_argument_types_raise_argument_type_error(call, match):
+    with pytest.raises(ArgumentTypeError, match=match):
+        call()
+
+
+def test_a_wrongly_typed_update_changes_nothing():
+    cache = ContiguousCache(4, num_layers=1)
+    cache.update(*_kv(1, 1, 2, 2), 0)
+    with pytest.raises(ArgumentTypeError):
+        cache.update(torch.zeros(1, 1, 1, 2), [[0.0, 0.0]], 0)
+    assert cache.get_seq_length() == 2

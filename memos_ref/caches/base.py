@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from memos_ref.errors import DeviceError, DTypeError, LayerIndexError, ShapeError
+from memos_ref.errors import DeviceError, DTypeError, LayerIndexError, ShapeError, check_type
 
 __all__ = ["MAX_LAZY_LAYERS", "MemosCache", "check_new_kv"]
 
@@ -28,8 +28,8 @@ def check_new_kv(layer: CacheLayerMixin, key: torch.Tensor, value: torch.Tensor)
     Expected: two tensors of one shape ``[B, H_kv, S_new, D]``; once the layer holds data, the same batch,
     heads, head dim, dtype and device as before.
     """
-    if not isinstance(key, torch.Tensor) or not isinstance(value, torch.Tensor):
-        raise ShapeError(f"key and value must be tensors, got {type(key).__name__} and {type(value).__name__}")
+    check_type("key_states", key, torch.Tensor)
+    check_type("value_states", value, torch.Tensor)
     if key.ndim != 4:
         raise ShapeError(f"key must be 4-D [batch, kv_heads, new_tokens, head_dim], got shape {tuple(key.shape)}")
     if key.shape != value.shape:
@@ -64,8 +64,10 @@ class MemosCache(Cache):
     """
 
     def __init__(self, layer_factory: Callable[[], CacheLayerMixin], num_layers: int | None = None) -> None:
-        if num_layers is not None and (not isinstance(num_layers, int) or num_layers <= 0):
-            raise LayerIndexError(f"num_layers must be a positive int or None, got {num_layers!r}")
+        if num_layers is not None:
+            check_type("num_layers", num_layers, int)
+            if num_layers <= 0:
+                raise LayerIndexError(f"num_layers must be a positive int or None, got {num_layers!r}")
         self.num_layers = num_layers
         if num_layers is None:
             super().__init__(layer_class_to_replicate=layer_factory)
@@ -79,7 +81,8 @@ class MemosCache(Cache):
 
         A rejected call leaves the cache exactly as it was, including layers it would have created.
         """
-        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or layer_idx < 0:
+        check_type("layer_idx", layer_idx, int)
+        if layer_idx < 0:
             raise LayerIndexError(f"layer_idx must be an int >= 0, got {layer_idx!r}")
         if self.num_layers is not None and layer_idx >= self.num_layers:
             raise LayerIndexError(f"layer_idx {layer_idx} is out of range: this cache has {self.num_layers} layers")

@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from memos_ref.caches.base import MemosCache, check_new_kv
-from memos_ref.errors import CapacityExceededError, ConfigError
+from memos_ref.errors import CapacityExceededError, ConfigError, check_type
 
 __all__ = ["LAYOUTS", "ContiguousCache", "ContiguousLayer", "GrowthEvent"]
 
@@ -39,7 +39,11 @@ class GrowthEvent:
 
 
 def _validate_options(capacity: int, growth_factor: float | None, layout: str) -> None:
-    if not isinstance(capacity, int) or capacity <= 0:
+    check_type("capacity", capacity, int)
+    if growth_factor is not None:
+        check_type("growth_factor", growth_factor, (int, float))
+    check_type("layout", layout, str)
+    if capacity <= 0:
         raise ConfigError(f"capacity must be a positive int (tokens), got {capacity!r}")
     if growth_factor is not None and not (isinstance(growth_factor, (int, float)) and growth_factor > 1.0):
         raise ConfigError(f"growth_factor must be > 1.0, or None for a fixed capacity; got {growth_factor!r}")
@@ -167,6 +171,7 @@ class ContiguousLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
+        check_type("tokens_to_remove", tokens_to_remove, int)
         if tokens_to_remove > 0:
             raise ConfigError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
         self.valid_len = max(0, self.valid_len + tokens_to_remove)
