@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from memos_ref.attention import dense_attention, paged_attention
-from memos_ref.errors import ShapeError
+from memos_ref.errors import ArgumentTypeError, InvalidArgumentError, ShapeError
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -83,3 +83,103 @@ def test_dense_attention_matches_sdpa_and_rejects_bad_shapes():
             torch.zeros(1, 1, dtype=torch.long),
             torch.tensor([1]),
         )
+
+
+# ----------------------------------------------------------------------------- features (issue 13.4)
+def _eager(q, k, v, *, window=None, softcap=None, sinks=None, mask=None):
+    """transformers' eager attention, written out: repeat K/V per query head, softcap, mask, sinks, softmax."""
+    hq, nq, d = q.shape
+    h, s, _ = k.shape
+    k, v = k.repeat_interleave(hq // h, 0), v.repeat_interleave(hq // h, 0)
+    logits = (q @ k.transpose(-1, -2)).double() / d**0.5  # [Hq, Q, S]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    qi, kj = torch.arange(s - nq, s)[:, None], torch.arange(s)[None, :]
+    allowed = kj <= qi
+    if window is not None:
+        allowed = allowed & (kj > qi - window)
+    if mask is not None:
+        allowed = allowed & mask
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        logits = torch.cat([logits, sinks.double()[:, None, None].expand(hq, nq, 1)], dim=-1)
+    probs = logits.softmax(-1).nan_to_num(0.0)[..., :s]
+    return (probs @ v.double()).float()
+
+
+def _qkv(hq=8, h=2, nq=5, s=19, d=16, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(hq, nq, d, generator=gen) * 2,
+        torch.randn(h, s, d, generator=gen) * 2,
+        torch.randn(h, s, d, generator=gen),
+    )
+
+
+@pytest.mark.parametrize(
+    "features",
+    [dict(window=4), dict(softcap=1.5), dict(sinks="random"), dict(window=3, softcap=2.0, sinks="random")],
+    ids=["sliding_window", "softcap", "sinks", "all"],
+)
+def test_dense_attention_features_match_eager_attention(features):
+    q, k, v = _qkv()
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(9)) if features.get("sinks") else None
+    want = _eager(q, k, v, window=features.get("window"), softcap=features.get("softcap"), sinks=sinks)
+    got = dense_attention(q, k, v, sliding_window=features.get("window"), softcap=features.get("softcap"), sinks=sinks)
+    assert (got - want).abs().max() < 1e-5
+    assert (dense_attention(q, k, v) - want).abs().max() > 1e-2  # the feature matters at this size
+
+
+def test_a_padding_mask_is_honoured_and_fully_masked_queries_give_zeros():
+    q, k, v = _qkv(nq=6, s=6)
+    mask = torch.ones(6, 6, dtype=torch.bool)
+    mask[:, :2] = False  # two left-padding positions: queries 0 and 1 may see no key at all
+    got = dense_attention(q, k, v, mask=mask)
+    assert torch.isfinite(got).all() and torch.equal(got[:, :2], torch.zeros_like(got[:, :2]))
+    assert (got - _eager(q, k, v, mask=mask)).abs().max() < 1e-5
+    additive = torch.zeros(6, 6).masked_fill(~mask, float("-inf"))  # the same mask as float, added to logits
+    assert (dense_attention(q, k, v, mask=additive).nan_to_num(0.0) - got).abs().max() < 1e-6
+
+
+def test_paged_attention_with_features_equals_dense_attention_per_sequence():
+    lens, t, h, d = [13, 20], 4, 2, 16
+    k_cache, v_cache, tables = _random_paged(lens, h, d, t, 16, torch.float32, seed=4)
+    query = torch.randn(2, 8, 3, d, generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, 1, 3, 20, dtype=torch.bool)
+    mask[1, :, :, :4] = False  # row 1 is left-padded by 4
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(6))
+    extras = dict(sliding_window=5, softcap=3.0, sinks=sinks)
+    out = paged_attention(query, k_cache, v_cache, tables, torch.tensor(lens), mask=mask, **extras)
+    for i, n in enumerate(lens):
+        k, v = _gather_by_slots(k_cache, tables[i], n), _gather_by_slots(v_cache, tables[i], n)
+        want = dense_attention(query[i], k, v, mask=mask[i, :, :, :n], **extras)
+        assert (out[i] - want).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda q, k, v: dense_attention(q.tolist(), k, v), ArgumentTypeError, "q: expected Tensor, got list"),
+        (lambda q, k, v: dense_attention(q, k, v, scale="0.1"), ArgumentTypeError, "scale: expected int or float"),
+        (lambda q, k, v: dense_attention(q, k, v, sliding_window=0), InvalidArgumentError, "sliding_window"),
+        (lambda q, k, v: dense_attention(q, k, v, sliding_window=2.5), ArgumentTypeError, "sliding_window"),
+        (lambda q, k, v: dense_attention(q, k, v, softcap=-1.0), InvalidArgumentError, "softcap"),
+        (lambda q, k, v: dense_attention(q, k, v, sinks=torch.zeros(3)), ShapeError, r"sinks: expected .*\[8\]"),
+        (lambda q, k, v: dense_attention(q, k, v, mask=torch.ones(2, 2, dtype=torch.bool)), ShapeError, "mask"),
+        (lambda q, k, v: dense_attention(q, k[:, :2], v[:, :2]), ShapeError, "5 queries but only 2 keys"),
+        (
+            lambda q, k, v: paged_attention(q[None], k[None], v[None], torch.zeros(1, 1), torch.tensor([3])),
+            ArgumentTypeError,
+            "block_tables: expected an integer tensor",
+        ),
+        (
+            lambda q, k, v: paged_attention(q[None], k[None], v[None], [[0]], torch.tensor([3])),
+            ArgumentTypeError,
+            "block_tables: expected Tensor, got list",
+        ),
+    ],
+)
+def test_wrong_arguments_raise_the_package_errors(call, error, match):
+    q, k, v = _qkv()
+    with pytest.raises(error, match=match):
+        call(q, k, v)
