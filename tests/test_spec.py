@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given
@@ -193,3 +195,119 @@ def test_size_identities(layers, kv_heads, head_dim, dtype, block, tokens):
     blocks = spec.blocks_for(tokens)
     assert (blocks - 1) * block < tokens <= blocks * block or (tokens == 0 and blocks == 0)
     assert spec.bytes_per_token_per_layer == 2 * kv_heads * head_dim * element
+
+
+# ----------------------------------------------------------------------------- dtype, refused models (issue 13.7/8)
+def test_a_config_without_dtype_gives_the_dtype_a_model_built_from_it_has():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memos_ref.hf import PagedCache
+    from memos_ref.paged import PagedKV
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    assert config.dtype is None
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    spec = KVSpec.from_hf_config(config)
+    assert spec.dtype == torch.get_default_dtype() == next(model.parameters()).dtype  # not float16
+    ids = torch.tensor([[1, 2, 3, 4]])
+    out = model.generate(ids, cache=PagedCache(PagedKV(spec, 8)), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 7)
+    assert KVSpec.from_hf_config(model.to(torch.bfloat16)).dtype == torch.bfloat16  # a model: its parameters
+    assert KVSpec.from_hf_config(model, dtype="float16").dtype == torch.float16  # an explicit dtype wins
+
+
+DEEPSEEK_V3 = dict(  # abridged config.json of deepseek-ai/DeepSeek-V3
+    model_type="deepseek_v3",
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    hidden_size=7168,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    torch_dtype="bfloat16",
+)
+QWEN3_NEXT = dict(  # abridged config.json of Qwen/Qwen3-Next-80B-A3B
+    model_type="qwen3_next",
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    hidden_size=2048,
+    head_dim=256,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    torch_dtype="bfloat16",
+)
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (DEEPSEEK_V3, "MLA is not supported"),
+        ({**DEEPSEEK_V3, "model_type": "deepseek_v2", "q_lora_rank": None}, "MLA is not supported"),
+        ({k: v for k, v in DEEPSEEK_V3.items() if k != "kv_lora_rank"}, "MLA is not supported"),  # K/V widths
+        (QWEN3_NEXT, "linear attention is not supported"),
+        ({**QWEN3_NEXT, "model_type": "jamba", "layer_types": None}, "linear attention is not supported"),
+        ({**QWEN3_NEXT, "model_type": "llama4_text", "layer_types": ["chunked_attention"] * 4}, "chunked_attention"),
+    ],
+)
+def test_unsupported_attention_is_refused_instead_of_a_wrong_geometry(config, match):
+    from memos_ref.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=match):
+        KVSpec.from_hf_config(config)
+
+
+def test_sliding_window_configs_warn_once(monkeypatch):
+    from memos_ref import spec as spec_module
+    from memos_ref.spec import SlidingWindowMemoryWarning, sliding_window_layers
+
+    monkeypatch.setattr(spec_module, "_warned_sliding", set())
+    mistral = dict(
+        model_type="mistral",
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        hidden_size=4096,
+        sliding_window=4096,
+        torch_dtype="bfloat16",
+    )
+    with pytest.warns(SlidingWindowMemoryWarning, match=r"window 4096, 32 of 32 layers.*keeps every token"):
+        KVSpec.from_hf_config(mistral)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        KVSpec.from_hf_config(mistral)  # once
+        KVSpec.from_hf_config({**mistral, "model_type": "qwen2", "use_sliding_window": False})  # window unused
+    gemma2 = {**mistral, "model_type": "gemma2", "layer_types": ["sliding_attention", "full_attention"] * 16}
+    assert sliding_window_layers(gemma2) == (4096, 16)
+    with pytest.warns(SlidingWindowMemoryWarning, match="16 of 32 layers"):
+        KVSpec.from_hf_config(gemma2)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: KVSpec.from_hf_config(42), "config: expected a PretrainedConfig, a transformers model or a dict"),
+        (lambda: KVSpec.from_hf_config(REAL_CONFIGS["gpt2"][0], block_size="16"), "block_size: expected int"),
+        (lambda: KVSpec.from_hf_config(REAL_CONFIGS["gpt2"][0], dtype=16), "dtype: expected str or dtype"),
+        (lambda: KVSpec("2", 2, 8), "KVSpec.num_layers: expected int, got str"),
+        (lambda: KVSpec(2, 2.0, 8), "KVSpec.num_kv_heads: expected int, got float"),
+        (lambda: KVSpec(2, 2, 8, block_size="16"), "KVSpec.block_size: expected int, got str"),
+        (lambda: KVSpec(2, 2, 8, dtype=3), "dtype: expected str or dtype, got int"),
+        (lambda: KVSpec(True, 2, 8), "KVSpec.num_layers: expected int, got bool"),
+    ],
+)
+def test_wrong_argument_types_raise_argument_type_error(call, match):
+    from memos_ref.errors import ArgumentTypeError
+
+    with pytest.raises(ArgumentTypeError, match=match):
+        call()
