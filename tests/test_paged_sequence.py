@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memos_ref.errors import ConfigError, OutOfBlocksError
+from memos_ref.errors import ConfigError, InvalidArgumentError, OutOfBlocksError
 from memos_ref.paged import PagedKV, block_hashes
 from memos_ref.spec import KVSpec
 
@@ -78,7 +78,7 @@ def test_truncate_then_append_and_mid_step_errors():
         seq.fork()
     with pytest.raises(ConfigError, match="same tokens in order"):
         seq.append(1, torch.zeros(2, 2, 4), torch.zeros(2, 2, 4))
-    with pytest.raises(ConfigError):
+    with pytest.raises(InvalidArgumentError, match="n: expected an integer in"):
         seq.truncate(50)
 
 

@@ -282,7 +282,7 @@ def test_idle_sequences_age_their_residual_window():
     kv = PagedKV(SPEC, 16, quant=PerTokenInt8(), residual_tokens=128, prefix_caching=False)
     seq, keys, _ = fill(kv, 100)
     assert kv.pool.staged_blocks == 4  # all 100 tokens inside the window
-    assert kv.pool.seal_idle(seq.block_table, seq.num_tokens) == 3  # the partial 4th block stays staged
+    assert seq.seal_idle() == 3  # the partial 4th block stays staged
     k, _ = seq.to_dense(0)
     assert torch.allclose(k[:, :96], PerTokenInt8().round_trip(keys[0][:, :96]), atol=1e-6)
     assert torch.equal(k[:, 96:], keys[0][:, 96:])

@@ -22,9 +22,12 @@ from enum import IntEnum
 from memos_ref.errors import (
     ConfigError,
     DoubleFreeError,
+    InvalidArgumentError,
     InvalidBlockError,
     OutOfBlocksError,
     RefcountUnderflowError,
+    check_index,
+    check_type,
 )
 
 __all__ = ["BlockAllocator", "BlockState"]
@@ -78,6 +81,8 @@ class BlockAllocator:
             cache forgets its hash there).
         on_free: called with a block id whenever a block returns to the free list (debug poisoning hooks in
             here; cached blocks keep their contents for reuse and are not reported).
+        on_cache: called with a block id when its last holder lets go and it stays cached for prefix reuse (a
+            quantized pool seals it there).
     """
 
     def __init__(
@@ -86,11 +91,12 @@ class BlockAllocator:
         *,
         on_evict: Callable[[int], None] | None = None,
         on_free: Callable[[int], None] | None = None,
+        on_cache: Callable[[int], None] | None = None,
     ) -> None:
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
-        self.on_evict, self.on_free = on_evict, on_free
+        self.on_evict, self.on_free, self.on_cache = on_evict, on_free, on_cache
         self._lock = threading.RLock()
         self.refcount = [0] * num_blocks
         self.state = [BlockState.FREE] * num_blocks
@@ -105,9 +111,16 @@ class BlockAllocator:
         self.evictions = 0
 
     # ------------------------------------------------------------------ checks
-    def _check_id(self, block: int) -> None:
-        if not isinstance(block, int) or isinstance(block, bool) or not 0 <= block < self.num_blocks:
-            raise InvalidBlockError(f"block id {block!r} is not in [0, {self.num_blocks})")
+    def _check_id(self, block: object) -> int:
+        """The block id as an int: :class:`ArgumentTypeError` for a non-integer (a float, a string, a bool),
+        :class:`InvalidBlockError` outside ``[0, num_blocks)``."""
+        try:
+            b = check_index("block", block)
+        except InvalidArgumentError as exc:
+            raise InvalidBlockError(f"block id {block!r} is not in [0, {self.num_blocks})") from exc
+        if b >= self.num_blocks:
+            raise InvalidBlockError(f"block id {b} is not in [0, {self.num_blocks})")
+        return b
 
     # ------------------------------------------------------------------ queries
     @property
@@ -139,8 +152,7 @@ class BlockAllocator:
     # ------------------------------------------------------------------ operations
     def allocate(self, n: int = 1) -> list[int]:
         """Take ``n`` blocks (refcount 1 each), all or nothing; evict cached blocks only when none is free."""
-        if not isinstance(n, int) or n < 0:
-            raise ConfigError(f"number of blocks must be an int >= 0, got {n!r}")
+        n = check_index("n", n, lo=0)
         with self._lock:
             if n > self.num_available:
                 raise OutOfBlocksError(needed=n, available=self.num_available)
@@ -161,7 +173,7 @@ class BlockAllocator:
 
     def incref(self, block: int) -> None:
         """Add a holder. A cached block is revived (touched) in O(1); a free block cannot be shared."""
-        self._check_id(block)
+        block = self._check_id(block)
         with self._lock:
             state = self.state[block]
             if state == BlockState.FREE:
@@ -175,7 +187,7 @@ class BlockAllocator:
 
     def free(self, block: int) -> None:
         """Drop one holder; at zero the block becomes cached (if it holds a registered prefix) or free."""
-        self._check_id(block)
+        block = self._check_id(block)
         with self._lock:
             state = self.state[block]
             if state == BlockState.FREE:
@@ -187,6 +199,8 @@ class BlockAllocator:
                 if self.cacheable[block]:
                     self.state[block] = BlockState.CACHED
                     self._cached.push_back(block)
+                    if self.on_cache is not None:
+                        self.on_cache(block)
                 else:
                     self.state[block] = BlockState.FREE
                     self._free.push_back(block)
@@ -195,11 +209,11 @@ class BlockAllocator:
 
     def free_many(self, blocks: Iterable[int]) -> None:
         """Free several blocks (validated first, so a bad id frees none)."""
-        blocks = list(blocks)
+        check_type("blocks", blocks, Iterable)
+        blocks = [self._check_id(block) for block in blocks]
         with self._lock:
             drops: dict[int, int] = {}
             for block in blocks:
-                self._check_id(block)
                 drops[block] = drops.get(block, 0) + 1
             for block, count in drops.items():
                 if self.state[block] == BlockState.FREE:
@@ -214,7 +228,8 @@ class BlockAllocator:
 
     def set_cacheable(self, block: int, cacheable: bool = True) -> None:
         """Mark a block as holding a registered prefix (it is cached instead of freed at refcount 0)."""
-        self._check_id(block)
+        block = self._check_id(block)
+        check_type("cacheable", cacheable, bool)
         with self._lock:
             self.cacheable[block] = cacheable
             if not cacheable and self.state[block] == BlockState.CACHED:

@@ -13,17 +13,79 @@ from __future__ import annotations
 
 import torch
 
-from memos_ref.errors import ConfigError, DeviceError, DTypeError, InvalidBlockError, ShapeError
+from memos_ref.errors import (
+    ArgumentTypeError,
+    ConfigError,
+    DeviceError,
+    DTypeError,
+    InvalidArgumentError,
+    InvalidBlockError,
+    ShapeError,
+    check_index,
+    check_type,
+)
 from memos_ref.spec import KVSpec
 
-__all__ = ["POISON", "BlockPool", "check_kv"]
+__all__ = ["POISON", "BlockPool", "check_block_id", "check_block_table", "check_kv", "check_layer", "check_slots"]
 
 #: Value written into freed blocks in debug mode, so a use-after-free shows as NaN in the output.
 POISON = float("nan")
 
 
+def check_layer(spec: KVSpec, layer: object) -> int:
+    """A layer index in ``[0, num_layers)`` as an int (:class:`ArgumentTypeError` / :class:`InvalidArgumentError`)."""
+    return check_index("layer", layer, lo=0, hi=spec.num_layers - 1)
+
+
+def check_block_id(block: object, num_blocks: int, name: str = "block") -> int:
+    """A block id as an int: :class:`ArgumentTypeError` for a non-integer, :class:`InvalidBlockError` when it is
+    outside ``[0, num_blocks)``."""
+    try:
+        b = check_index(name, block)
+    except InvalidArgumentError as exc:  # negative: an unknown block, as for one past the end
+        raise InvalidBlockError(f"{name} id {block!r} is not in [0, {num_blocks})") from exc
+    if b >= num_blocks:
+        raise InvalidBlockError(f"{name} id {b} is not in [0, {num_blocks})")
+    return b
+
+
+def _check_int_tensor(name: str, t: object) -> torch.Tensor:
+    check_type(name, t, torch.Tensor)
+    assert isinstance(t, torch.Tensor)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ArgumentTypeError(f"{name}: expected an integer tensor, got dtype {t.dtype}")
+    if t.ndim != 1:
+        raise ShapeError(f"{name}: expected a 1-d tensor, got shape {tuple(t.shape)}")
+    return t
+
+
+def check_slots(slots: object, n: int, num_blocks: int, block_size: int) -> torch.Tensor:
+    """Slots ``[n]`` of an integer dtype, each ``-1`` (skip) or in ``[0, num_blocks · block_size)``."""
+    slots = _check_int_tensor("slots", slots)
+    if slots.shape != (n,):
+        raise ShapeError(f"slots must be [{n}], got {tuple(slots.shape)}")
+    limit = num_blocks * block_size
+    if n and bool(((slots < -1) | (slots >= limit)).any()):
+        bad = slots[(slots < -1) | (slots >= limit)][:4].tolist()
+        raise InvalidArgumentError(f"slots: expected -1 (skip) or a slot in [0, {limit}), got {bad}")
+    return slots
+
+
+def check_block_table(table: object, num_blocks: int, num_tokens: object, block_size: int) -> tuple[torch.Tensor, int]:
+    """A block table ``[n]`` of valid block ids covering ``num_tokens`` (an int in ``[0, n · block_size]``)."""
+    table = _check_int_tensor("block_table", table)
+    n = check_index("num_tokens", num_tokens, lo=0, hi=table.shape[0] * block_size)
+    used = table[: -(-n // block_size)]
+    if used.numel() and bool(((used < 0) | (used >= num_blocks)).any()):
+        bad = used[(used < 0) | (used >= num_blocks)][:4].tolist()
+        raise InvalidBlockError(f"block_table holds block ids {bad} outside [0, {num_blocks})")
+    return table, n
+
+
 def check_kv(spec: KVSpec, device: torch.device, key: torch.Tensor, value: torch.Tensor) -> None:
     """Reject K/V ``[n, H, D]`` a pool of ``spec`` on ``device`` cannot store, naming expected and actual."""
+    check_type("key", key, torch.Tensor)
+    check_type("value", value, torch.Tensor)
     h, d = spec.num_kv_heads, spec.head_dim
     if key.shape != value.shape or key.ndim != 3 or key.shape[1:] != (h, d):
         raise ShapeError(
@@ -81,8 +143,7 @@ class BlockPool:
 
     def grow(self, n: int) -> range:
         """Add a segment of ``n`` blocks; returns the new block ids (append them to the allocator)."""
-        if not isinstance(n, int) or n <= 0:
-            raise ConfigError(f"growth must be a positive number of blocks, got {n!r}")
+        n = check_index("n", n, lo=1)
         start = self.num_blocks
         self._add_segment(n)
         return range(start, start + n)
@@ -103,8 +164,7 @@ class BlockPool:
         return self.segments[0]
 
     def _locate(self, block: int) -> tuple[torch.Tensor, int]:
-        if not isinstance(block, int) or not 0 <= block < self.num_blocks:
-            raise InvalidBlockError(f"block id {block!r} is not in [0, {self.num_blocks})")
+        block = check_block_id(block, self.num_blocks)
         for start, seg in zip(reversed(self._starts), reversed(self.segments)):
             if block >= start:
                 return seg, block - start
@@ -117,8 +177,8 @@ class BlockPool:
 
     def layer_view(self, layer: int, segment: int = 0) -> torch.Tensor:
         """Per-layer view of a segment ``[n, 2, H, T, D]`` (K at ``[:, 0]``, V at ``[:, 1]``) — no copy."""
-        if not 0 <= layer < self.spec.num_layers:
-            raise ConfigError(f"layer {layer} is not in [0, {self.spec.num_layers})")
+        layer = check_layer(self.spec, layer)
+        segment = check_index("segment", segment, lo=0, hi=len(self.segments) - 1)
         return self.segments[segment][:, layer]
 
     def _index(self, blocks: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -138,10 +198,10 @@ class BlockPool:
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Scatter one layer's K/V ``[n, H, D]`` into ``slots [n]`` (slot = block · T + offset; -1 skips)."""
+        layer = check_layer(self.spec, layer)
         self.check_kv(key, value)
-        if slots.shape != (key.shape[0],):
-            raise ShapeError(f"slots must be [{key.shape[0]}], got {tuple(slots.shape)}")
         t = self.spec.block_size
+        slots = check_slots(slots, key.shape[0], self.num_blocks, t)
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
         blocks, offsets = slots // t, slots % t
@@ -156,6 +216,8 @@ class BlockPool:
         One copy: the layer's blocks are selected straight into ``[2, H, n, T, D]`` order, whose
         ``[2, H, n·T, D]`` reshape is a view.
         """
+        layer = check_layer(self.spec, layer)
+        block_table, num_tokens = check_block_table(block_table, self.num_blocks, num_tokens, self.spec.block_size)
         n_blocks = -(-num_tokens // self.spec.block_size)
         blocks = block_table[:n_blocks].to(self.device)
         h, t, d = self.spec.num_kv_heads, self.spec.block_size, self.spec.head_dim
@@ -171,7 +233,8 @@ class BlockPool:
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's contents (all layers) onto another: the copy of copy-on-write."""
-        self.block(dst).copy_(self.block(src))
+        src_view = self.block(src)
+        self.block(dst).copy_(src_view)
 
     def poison(self, block: int) -> None:
         """Fill a block with NaN (debug mode: makes a use-after-free visible)."""

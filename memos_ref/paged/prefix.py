@@ -17,12 +17,35 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-from memos_ref.errors import ConfigError
+import torch
+
+from memos_ref.errors import ArgumentTypeError, ConfigError, InvalidArgumentError, ShapeError, check_index, check_type
 from memos_ref.paged.allocator import BlockAllocator
 
-__all__ = ["PrefixCache", "block_hashes", "hash_block"]
+__all__ = ["UNKNOWN_TOKEN", "PrefixCache", "block_hashes", "check_token_ids", "hash_block"]
 
 HASH_BYTES = 16  # 128-bit BLAKE2b digests
+#: Token id recorded for positions whose ids were not given (such blocks are never prefix-cached).
+UNKNOWN_TOKEN = -1
+
+
+def check_token_ids(name: str, token_ids: object) -> list[int]:
+    """Token ids as a list of ints, each ``>= UNKNOWN_TOKEN`` (-1 = unknown); a string, a float or a tensor of
+    floats is refused with :class:`ArgumentTypeError`, a smaller negative id with :class:`InvalidArgumentError`."""
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
+            raise ArgumentTypeError(f"{name}: expected integer token ids, got a tensor of {token_ids.dtype}")
+        token_ids = token_ids.reshape(-1).tolist()
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        raise ArgumentTypeError(
+            f"{name}: expected a sequence of int token ids, got {type(token_ids).__name__} ({token_ids!r:.80})"
+        )
+    out = list(token_ids)
+    if not all(type(t) is int for t in out):  # fast path for plain ints; others (numpy ints) are converted
+        out = [check_index(f"{name}[{i}]", t, lo=UNKNOWN_TOKEN) for i, t in enumerate(out)]
+    elif out and min(out) < UNKNOWN_TOKEN:
+        raise InvalidArgumentError(f"{name}: token ids must be >= 0 (or {UNKNOWN_TOKEN} = unknown), got {min(out)}")
+    return out
 
 
 def _extra_key(fingerprint: str, cache_salt: str | None) -> bytes:
@@ -96,6 +119,8 @@ class PrefixCache:
 
     def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None, parent: bytes = b"") -> list[bytes]:
         """Chained hashes of the full blocks of ``token_ids``, continuing from ``parent``."""
+        check_type("cache_salt", cache_salt, (str, type(None)))
+        check_type("parent", parent, bytes)
         return block_hashes(
             token_ids, self.block_size, fingerprint=self.fingerprint, cache_salt=cache_salt, parent=parent
         )
@@ -103,8 +128,9 @@ class PrefixCache:
     def register(self, block: int, block_hash: bytes, tokens: Sequence[int]) -> bool:
         """Record that ``block`` holds the full block with this hash. False if the hash is already cached
         (another block holds the same content; this one stays private)."""
+        check_type("block_hash", block_hash, bytes)
         if len(tokens) != self.block_size:
-            raise ConfigError(
+            raise ShapeError(
                 f"only full blocks can be registered: got {len(tokens)} tokens, block size is {self.block_size}"
             )
         with self._lock:
@@ -133,7 +159,8 @@ class PrefixCache:
     def lookup(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
         """The blocks of the longest cached prefix of ``token_ids``, each with one more holder (the caller
         owns those references). At most ``(len - 1) // block_size`` blocks: one token is always left."""
-        token_ids = list(token_ids)
+        token_ids = check_token_ids("token_ids", token_ids)
+        check_type("cache_salt", cache_salt, (str, type(None)))
         limit = max(0, (len(token_ids) - 1) // self.block_size)
         found: list[int] = []
         with self._lock:

@@ -8,6 +8,13 @@ partly filled tail block copies it to a private block first (copy-on-write).
 The model writes one layer at a time: the first layer to see new tokens reserves their slots (allocating and
 copying as needed), the other layers write into the same slots. ``layer_tokens[l]`` is how many tokens layer
 *l* holds; ``num_tokens`` is how many are reserved.
+
+Over a quantized pool with a full-precision residual window, a sequence tells the pool which of its blocks lie
+inside its window (``pool.hold``/``pool.unhold``, blocks ``block_table[window_start:]``): a shared block is
+sealed only when it lies outside the window of every live sequence holding it.
+
+Every argument is validated before anything changes (:class:`ArgumentTypeError`,
+:class:`InvalidArgumentError`, :class:`ShapeError`); a freed sequence raises :class:`UseAfterFreeError`.
 """
 
 from __future__ import annotations
@@ -18,15 +25,24 @@ from collections.abc import Sequence
 
 import torch
 
-from memos_ref.errors import ConfigError, ShapeError
-from memos_ref.paged.allocator import BlockAllocator
+from memos_ref.errors import (
+    ArgumentTypeError,
+    ConfigError,
+    InvalidArgumentError,
+    InvalidBlockError,
+    ShapeError,
+    StagingFullError,
+    StateError,
+    UseAfterFreeError,
+    check_index,
+    check_type,
+)
+from memos_ref.paged.allocator import BlockAllocator, BlockState
 from memos_ref.paged.pool import BlockPool
-from memos_ref.paged.prefix import PrefixCache
+from memos_ref.paged.prefix import UNKNOWN_TOKEN, PrefixCache, check_token_ids
 
-__all__ = ["UNKNOWN_TOKEN", "SequenceCache"]
+__all__ = ["UNKNOWN_TOKEN", "SequenceCache", "check_token_ids"]
 
-#: Token id recorded for positions whose ids were not given (such blocks are never prefix-cached).
-UNKNOWN_TOKEN = -1
 _ids = itertools.count()
 
 
@@ -49,6 +65,9 @@ class SequenceCache:
         cache_salt: str | None = None,
         registry: dict[int, SequenceCache] | None = None,
     ) -> None:
+        check_type("cache_salt", cache_salt, (str, type(None)))
+        check_type("allocator", allocator, BlockAllocator)
+        check_type("prefix_cache", prefix_cache, (PrefixCache, type(None)))
         self.pool, self.allocator, self.prefix_cache, self.cache_salt = pool, allocator, prefix_cache, cache_salt
         self.registry = registry
         self.seq_id = next(_ids)
@@ -60,6 +79,10 @@ class SequenceCache:
         self.num_registered = 0  # leading full blocks already offered to the prefix cache
         self._chain: list[bytes] = []  # their chained hashes
         self.cow_copies = 0
+        # a quantized pool with a residual window: blocks block_table[window_start:] are held in the pool's
+        # window_holds (this sequence reads them at full precision)
+        self._windows = bool(getattr(pool, "tracks_windows", False))
+        self.window_start = 0
         self._lock = threading.RLock()
         self._freed = False
         if registry is not None:
@@ -67,10 +90,19 @@ class SequenceCache:
 
     # ------------------------------------------------------------------ slots
     def slot(self, position: int) -> int:
+        """The physical slot of logical position ``position`` (in ``[0, num_tokens)``)."""
+        self._check_live()
+        position = check_index("position", position, lo=0, hi=self.num_tokens - 1)
         return self.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     def slot_mapping(self, start: int, stop: int) -> torch.Tensor:
-        """Physical slots ``[stop - start]`` of logical positions ``start..stop-1``."""
+        """Physical slots ``[stop - start]`` of logical positions ``start..stop-1`` (within ``num_tokens``)."""
+        self._check_live()
+        start = check_index("start", start, lo=0, hi=self.num_tokens)
+        stop = check_index("stop", stop, lo=start, hi=self.num_tokens)
+        return self._slots(start, stop)
+
+    def _slots(self, start: int, stop: int) -> torch.Tensor:
         t, table = self.block_size, self.block_table
         return torch.tensor([table[p // t] * t + p % t for p in range(start, stop)], dtype=torch.long)
 
@@ -82,9 +114,68 @@ class SequenceCache:
         """Every layer holds every reserved token (between model steps)."""
         return all(n == self.num_tokens for n in self.layer_tokens)
 
+    @property
+    def freed(self) -> bool:
+        return self._freed
+
     def _check_live(self) -> None:
         if self._freed:
-            raise ConfigError(f"sequence {self.seq_id} was freed; create a new one")
+            raise UseAfterFreeError(f"sequence {self.seq_id} was freed; create a new one (or fork() it before freeing)")
+
+    # ------------------------------------------------------------------ residual windows (quantized pools)
+    def _window_for(self, num_tokens: int) -> int:
+        """Index of the first block inside the residual window of a sequence of ``num_tokens`` tokens."""
+        residual = self.pool.residual_tokens  # type: ignore[attr-defined]
+        return min(len(self.block_table), max(0, num_tokens - residual) // self.block_size)
+
+    def _hold(self, blocks: list[int]) -> None:
+        if self._windows:
+            self.pool.hold(blocks)  # type: ignore[attr-defined]
+
+    def _unhold(self, blocks: list[int]) -> None:
+        if self._windows:
+            self.pool.unhold(blocks)  # type: ignore[attr-defined]
+
+    def _seal_behind_window(self) -> None:
+        """Move the window to the current length (every layer holds every token) and seal the blocks behind it
+        that no other live sequence holds inside its own window."""
+        if not self._windows:
+            return
+        start = self._window_for(self.num_tokens)
+        if start > self.window_start:
+            self._unhold(self.block_table[self.window_start : start])
+            self.window_start = start
+        self.pool.seal_unheld(self.block_table[: self.window_start])  # type: ignore[attr-defined]
+
+    def staging_needed(self, n: int) -> int:
+        """Full-precision staging blocks that appending ``n`` tokens needs from a quantized pool (0 for other
+        pools): one per new block, plus one for a partly filled tail that must be copied or re-staged."""
+        self._check_live()
+        n = check_index("n", n, lo=0)
+        if not self._windows or n == 0:
+            return 0
+        new_blocks = -(-(self.num_tokens + n) // self.block_size) - len(self.block_table)
+        tail = 0
+        if self.num_tokens % self.block_size and self.block_table:
+            sealed = int(self.pool.staging_slot[self.block_table[-1]]) < 0  # type: ignore[attr-defined]
+            tail = int(self._tail_needs_copy() or sealed)
+        return new_blocks + tail
+
+    def seal_idle(self) -> int:
+        """Age a sequence that has gone quiet (seed 001's "untouched for a while"): seal every *full* block,
+        its residual window included — except blocks another live sequence holds inside its own window; the
+        partial last block stays staged. Returns how many blocks were sealed."""
+        self._check_live()
+        if not self._windows or not self.caught_up:
+            return 0
+        with self._lock:
+            full = self.num_tokens // self.block_size
+            own = self.block_table[self.window_start : full]
+            self._unhold(own)
+            try:
+                return self.pool.seal_unheld(self.block_table[:full])  # type: ignore[attr-defined]
+            finally:
+                self._hold(own)
 
     # ------------------------------------------------------------------ growth
     def _tail_needs_copy(self) -> bool:
@@ -97,7 +188,9 @@ class SequenceCache:
 
     def blocks_needed(self, n: int) -> int:
         """Blocks that reserving ``n`` more tokens would allocate (new blocks plus a copy-on-write)."""
-        if n <= 0:
+        self._check_live()
+        n = check_index("n", n, lo=0)
+        if n == 0:
             return 0
         new_blocks = -(-(self.num_tokens + n) // self.block_size) - len(self.block_table)
         return new_blocks + int(self._tail_needs_copy())
@@ -106,40 +199,57 @@ class SequenceCache:
         """Reserve slots for ``n`` new tokens (copy-on-write of a shared tail, then new blocks — all or
         nothing); returns their slots ``[n]``."""
         self._check_live()
-        if n < 0:
-            raise ConfigError(f"cannot reserve {n} tokens")
-        if token_ids is not None and len(token_ids) != n:
-            raise ShapeError(f"{n} tokens reserved but {len(token_ids)} token ids given")
+        n = check_index("n", n, lo=0)
+        if token_ids is not None:
+            token_ids = check_token_ids("token_ids", token_ids)
+            if len(token_ids) != n:
+                raise ShapeError(f"{n} tokens reserved but {len(token_ids)} token ids given")
         with self._lock:
             copy_tail = self._tail_needs_copy() and n > 0
             new_blocks = -(-(self.num_tokens + n) // self.block_size) - len(self.block_table)
+            self._check_staging(n)  # a quantized pool: refuse before anything changes
             fresh = self.allocator.allocate(new_blocks + int(copy_tail))  # raises before any change
             if copy_tail:
                 private, old = fresh.pop(), self.block_table[-1]
                 try:
                     self.pool.copy_block(old, private)
-                except BaseException:  # e.g. a quantized pool without a free staging block: give everything back
+                except BaseException:  # give everything back
                     self.allocator.free_many([*fresh, private])
                     raise
                 self.block_table[-1] = private
+                self._hold([private])  # the tail always lies inside the window
+                self._unhold([old])
                 self.allocator.free(old)
                 self.cow_copies += 1
+            self._hold(fresh)
             self.block_table.extend(fresh)
             start = self.num_tokens
             self.num_tokens += n
             self.token_ids.extend(token_ids if token_ids is not None else [UNKNOWN_TOKEN] * n)
-            return self.slot_mapping(start, self.num_tokens)
+            return self._slots(start, self.num_tokens)
+
+    def _check_staging(self, n: int) -> None:
+        need = self.staging_needed(n)
+        if need and need > self.pool.staging_available:  # type: ignore[attr-defined]
+            free, total = self.pool.staging_available, self.pool.staging.shape[0]  # type: ignore[attr-defined]
+            raise StagingFullError(
+                f"{need} blocks need full-precision staging but {free} of {total} staging blocks are free (they "
+                f"hold the residual windows of live sequences): raise staging_blocks or lower residual_tokens",
+                needed=need,
+                capacity=free,
+            )
 
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor, token_ids: Sequence[int] | None = None):
         """Write ``n`` tokens' K/V ``[H, n, D]`` of one layer. The first layer to get past ``num_tokens``
         reserves the slots; the others reuse them. Returns the slots written."""
         self._check_live()
+        layer = check_index("layer", layer, lo=0, hi=len(self.layer_tokens) - 1)
+        check_type("key", key, torch.Tensor)
+        check_type("value", value, torch.Tensor)
         if key.ndim != 3 or key.shape != value.shape:
             raise ShapeError(
                 f"key/value must be [kv_heads, tokens, head_dim], got {tuple(key.shape)} and {tuple(value.shape)}"
             )
-        if not 0 <= layer < len(self.layer_tokens):
-            raise ConfigError(f"layer {layer} is not in [0, {len(self.layer_tokens)})")
         n = key.shape[1]
         self.pool.check_kv(key.transpose(0, 1), value.transpose(0, 1))  # before anything is reserved
         with self._lock:
@@ -153,7 +263,7 @@ class SequenceCache:
             if beyond > 0:
                 slots = self.reserve(n, token_ids)
             else:
-                slots = self.slot_mapping(start, start + n)
+                slots = self._slots(start, start + n)
             self.pool.write(layer, slots, key.transpose(0, 1), value.transpose(0, 1))
             self.layer_tokens[layer] = start + n
             if self.caught_up:
@@ -163,6 +273,7 @@ class SequenceCache:
     def mark_written(self) -> None:
         """Declare every reserved token written in every layer (when the K/V are written elsewhere — a kernel,
         or no tensors at all in a metadata-only simulation); registers full blocks for prefix reuse."""
+        self._check_live()
         with self._lock:
             self.layer_tokens = [self.num_tokens] * len(self.layer_tokens)
             self._after_all_layers()
@@ -172,17 +283,24 @@ class SequenceCache:
         pool seal the blocks that left the full-precision residual window."""
         if self.prefix_cache is not None:
             self._register_full_blocks()
-        seal = getattr(self.pool, "after_append", None)
-        if seal is not None:
-            seal(self.block_table, self.num_tokens)
+        self._seal_behind_window()
 
     def set_token_ids(self, token_ids: Sequence[int], start: int = 0) -> None:
         """Record the token ids of positions ``start..`` after the fact (e.g. after ``generate``), so full
-        blocks can be prefix-cached."""
+        blocks can be prefix-cached. The ids of blocks already in the prefix cache cannot change."""
+        self._check_live()
+        start = check_index("start", start, lo=0, hi=self.num_tokens)
+        token_ids = check_token_ids("token_ids", token_ids)
         if start + len(token_ids) > self.num_tokens:
             raise ShapeError(f"{len(token_ids)} ids from {start} exceed the {self.num_tokens} tokens held")
         with self._lock:
-            self.token_ids[start : start + len(token_ids)] = list(token_ids)
+            frozen = max(0, min(self.num_registered * self.block_size, start + len(token_ids)) - start)
+            if token_ids[:frozen] != self.token_ids[start : start + frozen]:
+                raise InvalidArgumentError(
+                    f"token_ids: positions {start}..{start + frozen - 1} lie in blocks already in the prefix cache "
+                    f"under other ids; truncate() the sequence before recording different tokens there"
+                )
+            self.token_ids[start : start + len(token_ids)] = token_ids
             if self.prefix_cache is not None and self.caught_up:
                 self._register_full_blocks()
 
@@ -209,18 +327,38 @@ class SequenceCache:
     def adopt_prefix(self, blocks: Sequence[int], token_ids: Sequence[int]) -> None:
         """Start an empty sequence from prefix-cache blocks (already incref'd by the lookup)."""
         self._check_live()
-        if self.num_tokens:
-            raise ConfigError("a prefix can only be adopted by an empty sequence")
+        if self.num_tokens or self.block_table:
+            raise StateError(f"a prefix can only be adopted by an empty sequence; this one holds {self.num_tokens}")
+        if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence):
+            raise ArgumentTypeError(f"blocks: expected a sequence of block ids, got {type(blocks).__name__}")
+        blocks = [self._check_held(b) for b in blocks]
+        token_ids = check_token_ids("token_ids", token_ids)
         n = len(blocks) * self.block_size
         if len(token_ids) < n:
             raise ShapeError(f"{len(blocks)} blocks need {n} token ids, got {len(token_ids)}")
-        self.block_table = list(blocks)
-        self.token_ids = list(token_ids[:n])
-        self.num_tokens = n
-        self.layer_tokens = [n] * len(self.layer_tokens)
-        self.num_registered = len(blocks)
-        if self.prefix_cache is not None:
-            self._chain = self.prefix_cache.hashes(self.token_ids, self.cache_salt)
+        with self._lock:
+            self.block_table = list(blocks)
+            self.token_ids = list(token_ids[:n])
+            self.num_tokens = n
+            self.layer_tokens = [n] * len(self.layer_tokens)
+            self.num_registered = len(blocks)
+            if self.prefix_cache is not None:
+                self._chain = self.prefix_cache.hashes(self.token_ids, self.cache_salt)
+            self.window_start = self._window_for(n) if self._windows else 0
+            self._hold(self.block_table[self.window_start :])
+            self._seal_behind_window()
+
+    def _check_held(self, block: object) -> int:
+        """A block id that is allocated (held by someone: the lookup's reference), as an int."""
+        b = check_index("block", block, lo=-(2**62))
+        if not 0 <= b < self.allocator.num_blocks:
+            raise InvalidBlockError(f"block id {b} is not in [0, {self.allocator.num_blocks})")
+        if self.allocator.state[b] != BlockState.ACTIVE:
+            raise InvalidBlockError(
+                f"block {b} is {self.allocator.state[b].name.lower()}: adopt only blocks a prefix lookup returned "
+                f"(they carry the reference this sequence takes over)"
+            )
+        return b
 
     def fork(self) -> SequenceCache:
         """A new sequence sharing every block (refcounts +1); the first write to a shared tail copies it."""
@@ -239,21 +377,27 @@ class SequenceCache:
             child.layer_tokens = list(self.layer_tokens)
             child.num_registered = self.num_registered
             child._chain = list(self._chain)
+            child.window_start = self.window_start
+            child._hold(child.block_table[child.window_start :])
             return child
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` tokens (speculative decoding rollback, undo); blocks past them are freed."""
         self._check_live()
         with self._lock:
-            if not 0 <= n <= self.num_tokens:
-                raise ConfigError(f"cannot truncate to {n} tokens: the sequence holds {self.num_tokens}")
+            n = check_index("n", n, lo=0, hi=self.num_tokens)
             if not self.caught_up:
                 raise ConfigError("cannot truncate in the middle of a model step")
             keep = -(-n // self.block_size)
             dropped = self.block_table[keep:]
-            self._seal_full(dropped, first_index=keep)
-            self.allocator.free_many(dropped)
+            # the window: let go of the dropped blocks, and take back kept blocks the shorter window covers again
+            self._unhold(self.block_table[max(self.window_start, keep) :])
+            old_start = min(self.window_start, keep)
             del self.block_table[keep:]
+            if self._windows:
+                self.window_start = self._window_for(n)
+                self._hold(self.block_table[self.window_start : old_start])
+            self.allocator.free_many(dropped)  # a dropped block left in the prefix cache is sealed there
             del self.token_ids[n:]
             self.num_tokens = n
             self.layer_tokens = [n] * len(self.layer_tokens)
@@ -261,31 +405,30 @@ class SequenceCache:
             del self._chain[self.num_registered :]
 
     def free(self) -> None:
-        """Release every block; the sequence cannot be used afterwards."""
+        """Release every block; the sequence cannot be used afterwards (freeing twice is harmless)."""
         with self._lock:
             if self._freed:
                 return
-            self._seal_full(self.block_table, first_index=0)
+            self._unhold(self.block_table[self.window_start :])
+            if self._windows and self.caught_up:
+                # blocks this sequence alone kept in a window, now behind every remaining holder's: seal them
+                # (they are full here); blocks whose last holder this was are sealed by the allocator if cached
+                full = self.num_tokens // self.block_size
+                shared = [b for b in self.block_table[:full] if self.allocator.refcount[b] > 1]
+                self.pool.seal_unheld(shared)  # type: ignore[attr-defined]
             self.allocator.free_many(self.block_table)
             self.block_table = []
             self.num_tokens = 0
+            self.window_start = 0
             self._freed = True
             if self.registry is not None:
                 self.registry.pop(self.seq_id, None)
 
-    def _seal_full(self, blocks: Sequence[int], first_index: int) -> None:
-        """A quantized pool keeps recent blocks at full precision in a small staging slab; a full block leaving
-        this sequence may live on in the prefix cache, where no residual window applies: seal it so it does not
-        hold a staging slot indefinitely (partial blocks are freed, which returns their slots)."""
-        seal = getattr(self.pool, "seal", None)
-        if seal is None or not self.caught_up:
-            return
-        full = self.num_tokens // self.block_size
-        seal([b for i, b in enumerate(blocks, start=first_index) if i < full])
-
     # ------------------------------------------------------------------ checks
     def to_dense(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This sequence's K and V of one layer as dense ``[H, S, D]`` tensors (a copy, for checks)."""
+        self._check_live()
+        layer = check_index("layer", layer, lo=0, hi=len(self.layer_tokens) - 1)
         n = self.layer_tokens[layer]
         return self.pool.gather(layer, self.block_table_tensor(), n)
 

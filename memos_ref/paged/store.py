@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from memos_ref.errors import ConfigError
+from memos_ref.errors import ConfigError, check_type
 from memos_ref.paged.allocator import BlockAllocator
 from memos_ref.paged.check import check_invariants
 from memos_ref.paged.pool import BlockPool
-from memos_ref.paged.prefix import PrefixCache
+from memos_ref.paged.prefix import PrefixCache, check_token_ids
 from memos_ref.paged.sequence import SequenceCache
 from memos_ref.spec import KVSpec
 
@@ -74,6 +74,7 @@ class PagedKV:
         self.allocator = BlockAllocator(self.pool.num_blocks, on_free=on_free)
         if quant is not None:
             self.allocator.on_evict = self.pool.release  # the prefix cache chains its own hook onto this
+            self.allocator.on_cache = self.pool.seal_cached  # no residual window applies to a cached block
         self.prefix_cache = (
             PrefixCache(self.allocator, spec.block_size, fingerprint=fingerprint) if prefix_caching else None
         )
@@ -82,6 +83,7 @@ class PagedKV:
 
     def new_sequence(self, cache_salt: str | None = None) -> SequenceCache:
         """An empty sequence over this memory."""
+        check_type("cache_salt", cache_salt, (str, type(None)))
         return SequenceCache(
             self.pool, self.allocator, self.prefix_cache, cache_salt=cache_salt, registry=self.sequences
         )
@@ -90,6 +92,7 @@ class PagedKV:
         """A new sequence holding the longest cached prefix of ``token_ids`` (possibly none) — on the device,
         or reloaded from the tiers when a tier manager is attached; its ``num_tokens`` says how many tokens
         need no computing."""
+        token_ids = check_token_ids("token_ids", token_ids)  # before anything is created
         seq = self.new_sequence(cache_salt)
         if self.prefix_cache is not None:
             blocks = self.prefix_cache.lookup(token_ids, cache_salt)

@@ -21,6 +21,13 @@ Two ways in:
   released. KIVI's full-precision residual window and seed 001 §4.1's "recent blocks at full precision, old
   ones in int8" are the same mechanism.
 
+  Blocks are shared (forks, beams, prefix-cache hits), and each holder has its own window. ``window_holds``
+  counts, per block, the live sequences that hold it inside theirs; a block is sealed only when that count is
+  zero — by whichever sequence's window moves past it last, or when a sequence that held it lets go. So what
+  a sequence reads inside its window never changes under it, whatever its siblings do. A block whose last
+  holder lets go and that stays in the prefix cache is sealed then (no window applies to cached blocks); a
+  write that would need more staging blocks than are free is refused before anything changes.
+
 Reads (:meth:`gather`) dequantize on the fly: staged blocks come from the slab, sealed ones are decoded.
 """
 
@@ -30,12 +37,22 @@ import torch
 
 from memos_ref.errors import (
     ConfigError,
-    InvalidBlockError,
     ShapeError,
     StagingFullError,
+    check_type,
 )
-from memos_ref.paged.pool import check_kv
-from memos_ref.quant.schemes import FP8_MAX, FP8E4M3, KIVI, Float16, PerTensorInt8, PerTokenInt8, Quantizer
+from memos_ref.paged.pool import check_block_id, check_block_table, check_kv, check_layer, check_slots
+from memos_ref.quant.schemes import (
+    FP8_MAX,
+    FP8E4M3,
+    KIVI,
+    Float16,
+    PerTensorInt8,
+    PerTokenInt8,
+    QTensor,
+    Quantizer,
+    fitting_scale,
+)
 from memos_ref.spec import KVSpec
 
 __all__ = ["QuantizedBlockPool"]
@@ -67,16 +84,22 @@ class QuantizedBlockPool:
         layer_scales: torch.Tensor | None = None,
         device: str | torch.device = "cpu",
     ) -> None:
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
+        check_type("num_blocks", num_blocks, int)
+        if num_blocks <= 0:
             raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
         if not isinstance(scheme, (Float16, PerTokenInt8, PerTensorInt8, FP8E4M3, KIVI)):
             raise ConfigError(
                 f"unsupported scheme {scheme!r}: expected Float16, PerTokenInt8, PerTensorInt8, FP8E4M3 or KIVI"
             )
+        check_type("residual_tokens", residual_tokens, (int, type(None)))
+        check_type("staging_blocks", staging_blocks, (int, type(None)))
+        check_type("layer_scales", layer_scales, (torch.Tensor, type(None)))
         if residual_tokens is None:
             residual_tokens = 128 if isinstance(scheme, KIVI) else 0
         if residual_tokens < 0:
             raise ConfigError(f"residual_tokens must be >= 0, got {residual_tokens}")
+        if staging_blocks is not None and staging_blocks < 0:
+            raise ConfigError(f"staging_blocks must be >= 0, got {staging_blocks}")
         nl, t, d = spec.num_layers, spec.block_size, spec.head_dim
         if isinstance(scheme, KIVI):
             if t % scheme.group_size:
@@ -100,6 +123,9 @@ class QuantizedBlockPool:
         self.staging = torch.zeros((staging_blocks, *spec.block_shape), dtype=spec.dtype, device=self.device)
         self._staging_free = list(range(staging_blocks - 1, -1, -1))
         self.staging_slot = torch.full((num_blocks,), -1, dtype=torch.long)  # block -> slab row, -1 = sealed
+        # per block: how many live sequences hold it inside their residual window (they read it at full
+        # precision); a block is sealed only when none does (see SequenceCache and the module docstring)
+        self.window_holds = torch.zeros((num_blocks,), dtype=torch.int32)
         self.layer_scales = None
         if isinstance(scheme, PerTensorInt8):
             fixed = torch.full((nl, 2), float(scheme.fixed)) if scheme.fixed is not None else layer_scales.float()
@@ -158,9 +184,22 @@ class QuantizedBlockPool:
     def grow(self, n: int) -> range:
         raise ConfigError("a quantized pool cannot grow; size it for the workload")
 
-    def _check_block(self, block: int) -> None:
-        if not isinstance(block, int) or not 0 <= block < self.num_blocks:
-            raise InvalidBlockError(f"block id {block!r} is not in [0, {self.num_blocks})")
+    def _check_block(self, block: int) -> int:
+        return check_block_id(block, self.num_blocks)
+
+    @property
+    def tracks_windows(self) -> bool:
+        """Whether sequences must report their residual windows (:meth:`hold`/:meth:`unhold`): blocks are staged
+        at full precision and sealed later."""
+        return not self.streaming
+
+    @property
+    def staging_available(self) -> int:
+        """Free full-precision staging blocks."""
+        return len(self._staging_free)
+
+    def is_staged(self, block: int) -> bool:
+        return int(self.staging_slot[block]) >= 0
 
     # ------------------------------------------------------------------ staging
     def _stage(self, block: int, keep_contents: bool) -> int:
@@ -178,6 +217,7 @@ class QuantizedBlockPool:
 
     def release(self, block: int) -> None:
         """Forget a freed or evicted block's staging slot (allocator hook)."""
+        block = self._check_block(block)
         slot = int(self.staging_slot[block])
         if slot >= 0:
             self.staging_slot[block] = -1
@@ -189,9 +229,9 @@ class QuantizedBlockPool:
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store one layer's K/V ``[n, H, D]`` at ``slots [n]`` (slot = block · T + offset; -1 skips)."""
+        layer = check_layer(self.spec, layer)
         self.check_kv(key, value)
-        if slots.shape != (key.shape[0],):
-            raise ShapeError(f"slots must be [{key.shape[0]}], got {tuple(slots.shape)}")
+        slots = check_slots(slots, key.shape[0], self.num_blocks, self.spec.block_size)
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
         if slots.numel() == 0:
@@ -235,7 +275,10 @@ class QuantizedBlockPool:
         codes, scales = self.payload["codes"], self.payload["scale"]
         # powers of two: growing a scale then shifts every stored code's exponent exactly, so repeated growth
         # never compounds rounding (a scale grown by 3% would round many codes back to themselves)
-        need = torch.exp2(torch.ceil(torch.log2((x.float().abs().amax(-1) / FP8_MAX).clamp(min=1e-8))))  # [n, H]
+        amax = x.float().abs().amax(-1)  # [n, H]
+        need = torch.exp2(torch.ceil(torch.log2(fitting_scale(amax, FP8_MAX))))  # [n, H]
+        # float32's log2 can round 2^k · (1 + ε) down to k: double such a scale so that it really fits
+        need = torch.where(amax / need > FP8_MAX, need * 2, need)
         for b in blocks.unique().tolist():
             mine = blocks == b
             need_b = need[mine].amax(0)  # [H]
@@ -252,35 +295,47 @@ class QuantizedBlockPool:
                     self.rescales += 1
                 scales[b, layer, kv] = new
         s = scales[blocks, layer, kv]  # [n, H]
-        q = (x.float() / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        scaled = x.float() / s[..., None]
+        self.clipped += int((scaled.abs() > FP8_MAX).sum())  # always 0: every scale was grown to fit
+        q = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
         codes[blocks, layer, kv, :, offsets] = q
 
     # ------------------------------------------------------------------ sealing (residual window / aging)
-    def after_append(self, block_table: list[int], num_tokens: int) -> int:
-        """Seal the blocks of a sequence that are full and at least ``residual_tokens`` behind its end; called by
-        the sequence once every layer holds ``num_tokens``. Returns how many blocks were sealed."""
-        if self.streaming:
-            return 0
-        sealable = max(0, num_tokens - self.residual_tokens) // self.spec.block_size
-        todo = [b for b in block_table[:sealable] if int(self.staging_slot[b]) >= 0]
-        if todo:
-            self.seal(todo)
-        return len(todo)
+    def hold(self, blocks: list[int]) -> None:
+        """A sequence now holds ``blocks`` inside its residual window: they must stay at full precision."""
+        if blocks:
+            idx = torch.tensor(blocks, dtype=torch.long)
+            self.window_holds.index_add_(0, idx, torch.ones(len(blocks), dtype=torch.int32))
 
-    def seal_idle(self, block_table: list[int], num_tokens: int) -> int:
-        """Age a sequence that has gone quiet (seed 001's "untouched for a while"): seal every *full* block,
-        residual window included; the partial last block stays staged. Returns how many were sealed."""
-        if self.streaming:
+    def unhold(self, blocks: list[int]) -> None:
+        """The reverse of :meth:`hold` (the window moved past them, or the sequence let them go)."""
+        if blocks:
+            idx = torch.tensor(blocks, dtype=torch.long)
+            self.window_holds.index_add_(0, idx, torch.full((len(blocks),), -1, dtype=torch.int32))
+            if bool((self.window_holds[idx] < 0).any()):  # a bookkeeping bug, never a user error
+                raise AssertionError(f"window holds below zero for blocks {blocks}")
+
+    def seal_unheld(self, blocks: list[int]) -> int:
+        """Seal those of ``blocks`` (full, every layer written — the caller's guarantee) that are staged and inside
+        no live sequence's residual window. Returns how many were sealed."""
+        if self.streaming or not blocks:
             return 0
-        full = num_tokens // self.spec.block_size
-        todo = [b for b in block_table[:full] if int(self.staging_slot[b]) >= 0]
+        idx = torch.tensor(blocks, dtype=torch.long)
+        todo = idx[(self.staging_slot[idx] >= 0) & (self.window_holds[idx] == 0)].tolist()
         self.seal(todo)
         return len(todo)
 
+    def seal_cached(self, block: int) -> None:
+        """Allocator hook: a block whose last holder let go stays in the prefix cache, where no residual window
+        applies (it holds a full, registered block): seal it so it holds no staging slot."""
+        if int(self.staging_slot[block]) >= 0 and int(self.window_holds[block]) == 0:
+            self.seal([block])
+
     def seal(self, blocks: list[int]) -> None:
-        """Encode staged (full) blocks into the codes and release their staging slots."""
-        for b in blocks:
-            self._check_block(b)
+        """Encode staged (full) blocks into the codes and release their staging slots (unconditionally: a
+        sequence seals through :meth:`seal_unheld`, which spares blocks inside another's residual window)."""
+        check_type("blocks", blocks, (list, tuple))
+        blocks = [self._check_block(b) for b in blocks]
         blocks = [b for b in blocks if int(self.staging_slot[b]) >= 0]
         if not blocks:
             return
@@ -309,6 +364,7 @@ class QuantizedBlockPool:
             self.payload["codes"][idx] = scaled.round().clamp(-127, 127).to(torch.int8)
         else:
             q = FP8E4M3().quantize(kv.reshape(m * nl * 2 * h, t, d))
+            self.clipped += q.meta["clipped"]  # always 0: the scale is chosen to fit
             self.payload["codes"][idx] = q.data.view(torch.uint8).reshape(m, nl, 2, h, t, d)
             self.payload["scale"][idx] = q.scale.reshape(m, nl, 2, h)
         for b in blocks:
@@ -329,8 +385,6 @@ class QuantizedBlockPool:
             codes = p["codes"][idx, layer].view(torch.float8_e4m3fn).float()
             return codes * p["scale"][idx, layer][..., None, None]
         m, h, t, d = idx.numel(), self.spec.num_kv_heads, self.spec.block_size, self.spec.head_dim
-        from memos_ref.quant.schemes import QTensor
-
         qk = QTensor(
             p["k_codes"][idx, layer].reshape(m * h, t, -1),
             p["k_scale"][idx, layer].reshape(m * h, -1, d),
@@ -349,6 +403,9 @@ class QuantizedBlockPool:
 
     def read_blocks(self, blocks: torch.Tensor, layer: int) -> torch.Tensor:
         """``[n, 2, H, T, D]`` of ``blocks`` in one layer, dequantized to the pool's dtype."""
+        layer = check_layer(self.spec, layer)
+        t = self.spec.block_size
+        check_block_table(blocks, self.num_blocks, blocks.numel() * t if isinstance(blocks, torch.Tensor) else 0, t)
         n = blocks.numel()
         out = torch.empty((n, 2, *self.spec.block_shape[2:]), dtype=self.spec.dtype, device=self.device)
         slots = self.staging_slot[blocks.cpu()].to(self.device)  # the slot map lives on the CPU
@@ -361,6 +418,8 @@ class QuantizedBlockPool:
 
     def gather(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``num_tokens`` keys and values of a sequence, dequantized: ``[H, num_tokens, D]`` each."""
+        layer = check_layer(self.spec, layer)
+        block_table, num_tokens = check_block_table(block_table, self.num_blocks, num_tokens, self.spec.block_size)
         n_blocks = -(-num_tokens // self.spec.block_size)
         blocks = block_table[:n_blocks].to(torch.long)
         h, t, d = self.spec.num_kv_heads, self.spec.block_size, self.spec.head_dim
@@ -370,29 +429,31 @@ class QuantizedBlockPool:
 
     def block(self, block: int) -> torch.Tensor:
         """A dequantized *copy* of one block ``[L, 2, H, T, D]`` (quantized blocks have no float view)."""
-        self._check_block(block)
+        block = self._check_block(block)
         idx = torch.tensor([block])
         return torch.stack([self.read_blocks(idx, layer)[0] for layer in range(self.spec.num_layers)])
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: the codes, scales and (if staged) the full-precision slab row."""
-        self._check_block(src)
-        self._check_block(dst)
+        src, dst = self._check_block(src), self._check_block(dst)
+        src_slot = int(self.staging_slot[src])
+        if src_slot >= 0 and int(self.staging_slot[dst]) < 0 and not self._staging_free:  # refuse before copying
+            raise StagingFullError(
+                "no free staging block for a copy-on-write of a staged block: raise staging_blocks or lower "
+                "residual_tokens",
+                needed=1,
+                capacity=0,
+            )
         for tensor in self.payload.values():
             tensor[dst] = tensor[src]
-        src_slot = int(self.staging_slot[src])
         if src_slot >= 0:
-            if int(self.staging_slot[dst]) < 0 and not self._staging_free:
-                raise StagingFullError(
-                    "no free staging block for a copy-on-write of a staged block", needed=1, capacity=0
-                )
             self.staging[self._stage(dst, keep_contents=False)] = self.staging[src_slot]
         else:
             self.release(dst)
 
     def poison(self, block: int) -> None:
         """Debug mode: make a freed block decode to NaN (per-tensor int8 has no per-block scale to poison)."""
-        self._check_block(block)
+        block = self._check_block(block)
         for name, tensor in self.payload.items():
             if "scale" in name:
                 tensor[block] = float("nan")
@@ -405,4 +466,5 @@ class QuantizedBlockPool:
             "seals": self.seals,
             "rescales": self.rescales,
             "clipped": self.clipped,
+            "staging_free": len(self._staging_free),
         }

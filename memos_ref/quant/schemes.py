@@ -22,12 +22,33 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memos_ref.errors import ConfigError, ShapeError
+from memos_ref.errors import ConfigError, DTypeError, InvalidArgumentError, ShapeError, check_type
 
-__all__ = ["FP8E4M3", "KIVI", "Float16", "PerTensorInt8", "PerTokenInt8", "QTensor", "Quantizer", "pack", "unpack"]
+__all__ = [
+    "FP8E4M3",
+    "KIVI",
+    "Float16",
+    "PerTensorInt8",
+    "PerTokenInt8",
+    "QTensor",
+    "Quantizer",
+    "fitting_scale",
+    "pack",
+    "unpack",
+]
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _TINY = 1e-8  # floor for scales, so an all-zero group does not divide by zero
+
+
+def fitting_scale(amax: torch.Tensor, limit: float) -> torch.Tensor:
+    """The scale ``amax / limit`` (floored at a tiny value), raised by one float32 ulp wherever the division
+    rounded down far enough that ``amax / scale`` would land above ``limit``: a scale chosen to fit must fit,
+    exactly as the quantizer will compute it (one ulp always suffices: the error of two roundings is < 1 ulp)."""
+    amax = amax.float()
+    scale = (amax / limit).clamp(min=_TINY)
+    over = amax / scale > limit
+    return torch.where(over, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
 
 
 @dataclass
@@ -47,14 +68,32 @@ class QTensor:
 
 
 def _check(x: torch.Tensor) -> None:
+    check_type("x", x, torch.Tensor)
     if x.ndim != 3:
         raise ShapeError(f"expected one layer's keys or values [heads, tokens, head_dim], got {tuple(x.shape)}")
     if not x.dtype.is_floating_point:
-        raise ShapeError(f"expected a floating-point tensor, got {x.dtype}")
+        raise DTypeError(f"expected a floating-point tensor, got {x.dtype}")
+
+
+def _check_bits(bits: int) -> None:
+    check_type("bits", bits, int)
+    if bits not in (1, 2, 4, 8):
+        raise InvalidArgumentError(f"bits: expected 1, 2, 4 or 8 (codes that fill whole bytes), got {bits}")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in ("key", "value"):
+        raise InvalidArgumentError(f"kind: expected 'key' or 'value', got {kind!r}")
+
+
+def _check_qtensor(q: QTensor) -> None:
+    check_type("q", q, QTensor)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned ``bits``-bit codes (uint8, last dim divisible by 8 // bits) into bytes, low bits first."""
+    check_type("codes", codes, torch.Tensor)
+    _check_bits(bits)
     per = 8 // bits
     if codes.shape[-1] % per:
         raise ShapeError(f"last dimension {codes.shape[-1]} is not a multiple of {per} ({bits}-bit packing)")
@@ -67,6 +106,8 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: ``[..., n]`` bytes to ``[..., n · 8 // bits]`` codes (uint8)."""
+    check_type("packed", packed, torch.Tensor)
+    _check_bits(bits)
     per, mask = 8 // bits, (1 << bits) - 1
     parts = [(packed >> (bits * i)) & mask for i in range(per)]
     return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * per)
@@ -103,9 +144,11 @@ class Float16(Quantizer):
 
     def quantize(self, x: torch.Tensor, kind: str = "key") -> QTensor:
         _check(x)
+        _check_kind(kind)
         return QTensor(x.to(torch.float16), torch.tensor(1.0), shape=tuple(x.shape))
 
     def dequantize(self, q: QTensor) -> torch.Tensor:
+        _check_qtensor(q)
         return q.data.float()
 
     def bytes_per_token(self, num_heads: int, head_dim: int) -> float:
@@ -118,8 +161,9 @@ class PerTensorInt8(Quantizer):
     bits = 8
 
     def __init__(self, scale: float | None = None) -> None:
-        if scale is not None and not scale > 0:
-            raise ConfigError(f"scale must be positive, got {scale}")
+        check_type("scale", scale, (int, float, type(None)))
+        if scale is not None and not 0 < scale < float("inf"):
+            raise ConfigError(f"scale must be positive and finite, got {scale}")
         self.fixed = scale
         self.name = f"int8_tensor_fixed{scale:g}" if scale is not None else "int8_tensor"
 
@@ -128,6 +172,7 @@ class PerTensorInt8(Quantizer):
 
     def quantize(self, x: torch.Tensor, kind: str = "key") -> QTensor:
         _check(x)
+        _check_kind(kind)
         scale = self.scale_for(x)
         scaled = x.float() / scale
         clipped = int((scaled.abs() > 127.5).sum())
@@ -135,6 +180,7 @@ class PerTensorInt8(Quantizer):
         return QTensor(data, torch.tensor(scale), shape=tuple(x.shape), meta={"clipped": clipped})
 
     def dequantize(self, q: QTensor) -> torch.Tensor:
+        _check_qtensor(q)
         return q.data.float() * q.scale
 
     def bytes_per_token(self, num_heads: int, head_dim: int) -> float:
@@ -154,11 +200,13 @@ class PerTokenInt8(Quantizer):
 
     def quantize(self, x: torch.Tensor, kind: str = "key") -> QTensor:
         _check(x)
+        _check_kind(kind)
         scale = self.scales(x)  # [H, T]
         data = (x.float() / scale.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
         return QTensor(data, scale, shape=tuple(x.shape))
 
     def dequantize(self, q: QTensor) -> torch.Tensor:
+        _check_qtensor(q)
         return q.data.float() * q.scale.float()[..., None]
 
     def bytes_per_token(self, num_heads: int, head_dim: int) -> float:
@@ -178,18 +226,26 @@ class FP8E4M3(Quantizer):
     bits = 8
 
     def __init__(self, saturation: str = "rescale") -> None:
+        check_type("saturation", saturation, str)
         if saturation not in ("rescale", "clip"):
             raise ConfigError(f"saturation must be 'rescale' or 'clip', got {saturation!r}")
         self.saturation = saturation
 
     @staticmethod
     def needed_scale(x: torch.Tensor) -> torch.Tensor:
-        """Per-head scale ``[H]`` that fits ``x [H, T, D]`` into ±448."""
-        return (x.float().abs().amax(dim=(-1, -2)) / FP8_MAX).clamp(min=_TINY)
+        """Per-head scale ``[H]`` that fits ``x [H, T, D]`` into ±448: the smallest float32 ``s`` with
+        ``absmax / s <= 448`` *as float32 computes it* (``absmax / (absmax / 448)`` can round to 448.00003,
+        one step past the range, so the quotient's scale is raised by one ulp where it does)."""
+        check_type("x", x, torch.Tensor)
+        return fitting_scale(x.float().abs().amax(dim=(-1, -2)), FP8_MAX)
 
     def quantize(self, x: torch.Tensor, kind: str = "key", scale: torch.Tensor | None = None) -> QTensor:
         _check(x)
+        _check_kind(kind)
+        check_type("scale", scale, (torch.Tensor, type(None)))
         need = self.needed_scale(x)
+        if scale is not None and tuple(scale.shape) != tuple(need.shape):
+            raise ShapeError(f"scale: expected one per head {tuple(need.shape)}, got {tuple(scale.shape)}")
         if scale is None:
             scale = need
         elif self.saturation == "rescale":
@@ -200,6 +256,7 @@ class FP8E4M3(Quantizer):
         return QTensor(data, scale.float(), shape=tuple(x.shape), meta={"clipped": clipped})
 
     def dequantize(self, q: QTensor) -> torch.Tensor:
+        _check_qtensor(q)
         return q.data.float() * q.scale[:, None, None]
 
     def bytes_per_token(self, num_heads: int, head_dim: int) -> float:
@@ -216,6 +273,8 @@ class KIVI(Quantizer):
     """
 
     def __init__(self, bits: int = 4, group_size: int = 32) -> None:
+        check_type("bits", bits, int)
+        check_type("group_size", group_size, int)
         if bits not in (2, 4):
             raise ConfigError(f"KIVI bits must be 2 or 4, got {bits}")
         if group_size not in (16, 32, 64, 128):
@@ -259,10 +318,11 @@ class KIVI(Quantizer):
             codes = codes.reshape(h, t, d)
             scale, zero = scale.squeeze(3), zero.squeeze(3)  # [H, T, D/G]
         else:
-            raise ConfigError(f"kind must be 'key' or 'value', got {kind!r}")
+            raise InvalidArgumentError(f"kind: expected 'key' or 'value', got {kind!r}")
         return QTensor(pack(codes, self.bits), scale, zero, shape=(h, t, d), meta={"kind": kind})
 
     def dequantize(self, q: QTensor) -> torch.Tensor:
+        _check_qtensor(q)
         h, t, d = q.shape
         codes = unpack(q.data, self.bits).float()  # [H, T, D]
         if q.meta["kind"] == "key":
