@@ -172,6 +172,17 @@ def test_direct_path_warns_once_about_sliding_window_memory(monkeypatch):
     assert sum(issubclass(w.category, SlidingWindowMemoryWarning) for w in record) == 1
 
 
+def test_sliding_layers_keep_every_token_where_transformers_keeps_the_window():
+    """The memory note of the README: context / (window - 1) times transformers' sliding cache for those layers."""
+    ids, _ = _prompts(False)
+    model = _model("mistral")
+    sliding, paged = DynamicCache(config=model.config), PagedCache(_kv(model))
+    assert torch.equal(_greedy(model, ids, None, paged), _greedy(model, ids, None, sliding))
+    held = ids.shape[1] + NEW - 1
+    assert [layer.keys.shape[2] for layer in sliding.layers] == [WINDOW - 1] * 2
+    assert [paged.layers[i].get_seq_length() for i in range(2)] == [held] * 2
+
+
 # ---------------------------------------------------------------------------------------------- refused families
 MLA = dict(
     kv_lora_rank=16,
