@@ -682,3 +682,23 @@ def test_tier_manager_wrong_argument_types(tmp_path):
     with pytest.raises(InvalidArgumentError):
         tm.step(now=math.nan)
     assert tm.pinned == set() and tm.history == {} and tm.kinds == {}
+
+
+def test_simulation_and_trace_helpers_wrong_argument_types():
+    from memos_ref.memory.access_pattern import agent_memory_trace
+    from memos_ref.tiering.simulate import interleaved_trace, requests_from_trace, simulate
+
+    for call in [
+        lambda: interleaved_trace(3),
+        lambda: interleaved_trace("chat", copies="4"),
+        lambda: requests_from_trace("events"),
+        lambda: simulate("requests", device_blocks=4),
+        lambda: simulate([], device_blocks=4.0),
+        lambda: simulate([], device_blocks=4, prefetch="markov"),
+        lambda: agent_memory_trace("100"),
+        lambda: agent_memory_trace(100, p_hot="half"),
+    ]:
+        with pytest.raises(ArgumentTypeError):
+            call()
+    with pytest.raises(InvalidArgumentError):
+        agent_memory_trace(100, p_hot=1.5)

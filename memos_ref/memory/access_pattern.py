@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from memos_ref.errors import InvalidArgumentError, check_index, check_type
+
 __all__ = ["Access", "agent_memory_trace", "replay_hit_rate"]
 
 
@@ -36,6 +38,17 @@ def agent_memory_trace(
 ) -> list[Access]:
     """``num_ops`` reads: hot keys chosen by a Zipf law; tool results re-read with a preference for the most
     recent; otherwise a burst of ``scan_burst`` one-off document reads."""
+    num_ops = check_index("num_ops", num_ops, lo=0)
+    check_type("seed", seed, int)
+    num_hot = check_index("num_hot", num_hot, lo=1)
+    scan_burst = check_index("scan_burst", scan_burst, lo=1)
+    for name, p in (("p_hot", p_hot), ("p_tool", p_tool)):
+        check_type(name, p, (int, float))
+        if not 0 <= p <= 1:
+            raise InvalidArgumentError(f"{name} must be a probability in [0, 1], got {p!r}")
+    check_type("mean_gap_s", mean_gap_s, (int, float))
+    if not mean_gap_s > 0:
+        raise InvalidArgumentError(f"mean_gap_s must be > 0, got {mean_gap_s!r}")
     rng = random.Random(seed)
     hot_weights = [1 / (i + 1) for i in range(num_hot)]
     tools: list[str] = []

@@ -25,6 +25,7 @@ from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from memos_ref.errors import check_index, check_type
 from memos_ref.paged.prefix import block_hashes
 from memos_ref.tiering.policies import BlockHistory, priority_function
 from memos_ref.traces import SYSTEM_PROMPTS, TraceEvent, make_trace
@@ -44,6 +45,9 @@ def interleaved_trace(name: str, copies: int = 4, scale: float = 1.0) -> list[Tr
     """``copies`` independent users of trace ``name`` (seeds 0..copies-1) active at once: their events merged
     by time. A single shipped trace runs its sessions one after another; caches only feel pressure, and
     policies only differ, when users overlap."""
+    check_type("name", name, str)
+    copies = check_index("copies", copies, lo=1)
+    check_type("scale", scale, (int, float))
     events = []
     for c in range(copies):
         for e in make_trace(name, seed=c, scale=scale):
@@ -58,6 +62,9 @@ def _encode(text: str) -> list[int]:
 
 def requests_from_trace(events: list[TraceEvent], seed: int = 0, block_size: int = 16) -> list[Request]:
     """The model-running requests of a trace, each with its session's whole token sequence so far."""
+    check_type("events", events, list)
+    check_type("seed", seed, int)
+    block_size = check_index("block_size", block_size, lo=1)
     rng = random.Random(seed)
     tokens: dict[str, list[int]] = {}
     prefix_len: dict[str, tuple[int, int]] = {}  # system end, tools end
@@ -126,6 +133,14 @@ def simulate(
     prefetch_max_blocks: int = 8,
 ) -> dict[str, Any]:
     """Replay ``requests`` through a device of ``device_blocks`` blocks and (optionally) an unbounded tier."""
+    check_type("requests", requests, list)
+    device_blocks = check_index("device_blocks", device_blocks, lo=1)
+    block_size = check_index("block_size", block_size, lo=1)
+    bytes_per_block = check_index("bytes_per_block", bytes_per_block, lo=1)
+    check_type("tier", tier, bool)
+    if prefetch is not None:
+        check_type("prefetch", prefetch, MarkovPredictor)
+    prefetch_max_blocks = check_index("prefetch_max_blocks", prefetch_max_blocks, lo=0)
     score = priority_function(policy)
     device: dict[bytes, BlockHistory] = {}
     lower: set[bytes] = set()
