@@ -314,3 +314,19 @@ def test_wrong_argument_types_raise_the_package_errors(shipped_pair):
             call()
     assert kv.allocator.num_active == 0 and not kv.sequences
     kv.check()
+
+
+def test_a_cache_dropped_inside_the_allocator_is_freed_on_the_next_operation(shipped_pair):
+    """A garbage collection can finalize a cache while this thread is inside the allocator: the release waits."""
+    ours, _ = shipped_pair
+    kv = _kv(ours, num_blocks=8)
+    cache = PagedCache(kv)
+    with torch.no_grad():
+        ours(tok("a" * 40), cache)  # 41 tokens: 3 blocks
+    with kv.allocator._lock:  # as if the collection started inside an allocator call
+        del cache
+        assert kv.allocator.num_active == 3  # not freed under the allocator's feet
+    kv.check()
+    PagedCache(kv)  # the next operation releases it
+    assert kv.allocator.num_active == 0 and not kv.sequences
+    kv.check()
