@@ -1,0 +1,116 @@
+"""memos_ref.notebook: the one setup call of every notebook (threads decided once, seeds, device and versions)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import memos_ref
+from memos_ref import notebook
+from memos_ref.errors import ArgumentTypeError, ConfigError, InvalidArgumentError
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """Undecided helper, no thread request in the environment; torch's thread count restored afterwards."""
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(notebook, "_decided", None)
+    monkeypatch.delenv(notebook.ENV_VAR, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    yield monkeypatch
+    torch.set_num_threads(threads)
+
+
+@given(available=st.integers(1, 256))
+def test_one_thread_by_default_whatever_the_machine(available):
+    assert notebook.choose_threads(available=available, environ={}) == 1
+
+
+@given(requested=st.integers(1, 64), available=st.integers(1, 256))
+def test_a_request_is_capped_by_the_affinity_and_the_maximum(requested, available):
+    got = notebook.choose_threads(requested, available=available, environ={})
+    assert got == min(requested, available, notebook.MAX_THREADS) and got >= 1
+
+
+def test_the_environment_asks_and_the_argument_wins():
+    env = {notebook.ENV_VAR: " 2 "}
+    assert notebook.choose_threads(available=16, environ=env) == 2
+    assert notebook.choose_threads(available=1, environ=env) == 1  # one CPU in the affinity mask: one thread
+    assert notebook.choose_threads(1, available=16, environ=env) == 1
+    assert notebook.choose_threads(available=16, environ={notebook.ENV_VAR: ""}) == 1
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "two", "1.5"])
+def test_a_bad_environment_value_is_a_config_error(raw):
+    with pytest.raises(ConfigError, match=notebook.ENV_VAR):
+        notebook.choose_threads(available=4, environ={notebook.ENV_VAR: raw})
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        (0, InvalidArgumentError),
+        (-2, InvalidArgumentError),
+        (1.0, ArgumentTypeError),
+        (True, ArgumentTypeError),
+        ("2", ArgumentTypeError),
+    ],
+)
+def test_a_bad_thread_argument_names_itself(value, error):
+    with pytest.raises(error, match="threads"):
+        notebook.choose_threads(value, available=4, environ={})
+
+
+def test_available_cpus_follows_the_affinity_mask(monkeypatch):
+    monkeypatch.setattr(notebook.os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    assert notebook.available_cpus() == 3
+
+
+def test_setup_uses_one_thread_and_reports_it(fresh):
+    torch.set_num_threads(4)  # what a notebook used to set by hand
+    env = notebook.setup(seed=0)
+    assert torch.get_num_threads() == 1 and env.threads == 1
+    assert env.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert env.torch == torch.__version__ and env.memos_ref == memos_ref.__version__
+    assert "1 torch thread(s)" in str(env) and f"torch {torch.__version__}" in str(env)
+
+
+def test_setup_decides_once(fresh):
+    fresh.setenv(notebook.ENV_VAR, "2")
+    first = notebook.setup(seed=0)
+    fresh.setenv(notebook.ENV_VAR, "1")  # changed after the decision: a re-run setup cell keeps the first one
+    again = notebook.setup(seed=0)
+    assert again.threads == first.threads == min(2, notebook.available_cpus())
+    assert notebook.setup(seed=0, threads=1).threads == 1  # an explicit argument decides anew
+
+
+def test_setup_seeds_every_generator(fresh):
+    notebook.setup(seed=7)
+    first = (random.random(), float(np.random.rand()), torch.rand(3))
+    notebook.setup(seed=7)
+    second = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert first[:2] == second[:2] and torch.equal(first[2], second[2])
+    notebook.setup(seed=8)
+    assert random.random() != first[0]
+
+
+def test_setup_sets_child_threads_only_when_unset(fresh):
+    fresh.delenv("OMP_NUM_THREADS")
+    notebook.setup(seed=0)
+    assert notebook.os.environ["OMP_NUM_THREADS"] == "1"
+    fresh.setenv("OMP_NUM_THREADS", "3")
+    notebook.setup(seed=0)
+    assert notebook.os.environ["OMP_NUM_THREADS"] == "3"
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 0.5, "0"])
+def test_a_bad_seed_changes_nothing(fresh, seed):
+    torch.set_num_threads(3)
+    with pytest.raises((ArgumentTypeError, InvalidArgumentError), match="seed"):
+        notebook.setup(seed=seed)
+    assert torch.get_num_threads() == 3 and notebook._decided is None
