@@ -296,8 +296,8 @@ def test_beam_search_with_a_quantized_pool_inside_its_window_equals_dynamic_cach
     )
     model = LlamaForCausalLM(config).eval()
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
-    ids = torch.randint(3, 128, (1, 21), generator=torch.Generator().manual_seed(1))
-    gen = dict(max_new_tokens=40, min_new_tokens=40, num_beams=3, do_sample=False, early_stopping=False)
+    ids = torch.randint(3, 128, (1, 13), generator=torch.Generator().manual_seed(1))
+    gen = dict(max_new_tokens=24, min_new_tokens=24, num_beams=3, do_sample=False, early_stopping=False)
     gen.update(return_dict_in_generate=True, output_scores=True)
     with torch.no_grad():
         want = model.generate(ids, cache=DynamicCache(), **gen)
@@ -573,3 +573,82 @@ def test_use_after_free_raises_its_own_error(call):
     assert _equal(_snapshot(kv, [seq]), before)
     seq.free()  # freeing twice stays harmless
     assert kv.allocator.num_active == 0
+
+
+# ---------------------------------------------------------------------- item 5: random sharing, exact windows
+OPS = st.lists(
+    st.tuples(st.sampled_from(["append", "fork", "free", "truncate", "idle", "hit"]), st.integers(0, 10**6)),
+    min_size=1,
+    max_size=25,
+)
+
+
+class _Entry:
+    """A live sequence with the keys written to it and the first position guaranteed exact (inside the window,
+    never sealed: an idle seal, a truncation back behind the window, or an adopted cached prefix move it)."""
+
+    def __init__(self, seq, keys: list[torch.Tensor], ids: list[int], exact_from: int = 0) -> None:
+        self.seq, self.keys, self.ids, self.exact_from = seq, keys, ids, exact_from
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=OPS, name=st.sampled_from(list(AGING)))
+def test_random_sharing_never_changes_a_token_inside_its_window(ops, name):
+    """Random forks, appends, frees, truncations, idle seals and prefix hits over an aging pool: every live
+    sequence reads the tokens inside its residual window exactly as written, the window bookkeeping agrees
+    with the invariant checker, and once everything is freed no staging slot or window hold is left."""
+    kv = _kv(name, num_blocks=40, prefix_caching=True, residual_tokens=64, staging_blocks=40)
+    live: list[_Entry] = []
+    g = torch.Generator().manual_seed(len(ops))
+    fresh_ids = iter(range(10**6))
+
+    def add_tokens(e: _Entry, n: int) -> None:
+        new_ids = [next(fresh_ids) for _ in range(n)]  # unique: equal id chains mean equal contents
+        x = [torch.randn(2, n, 32, generator=g) * 2 for _ in range(2)]
+        before = (list(e.seq.block_table), e.seq.num_tokens)
+        try:
+            for layer in range(2):
+                e.seq.append(layer, x[layer], x[layer], new_ids if layer == 0 else None)
+        except KVCacheError:  # out of blocks or staging: refused before anything changed
+            assert (list(e.seq.block_table), e.seq.num_tokens) == before and e.seq.caught_up
+            return
+        e.keys = [torch.cat([e.keys[layer], x[layer]], dim=1) for layer in range(2)]
+        e.ids.extend(new_ids)
+
+    for op, r in ops:
+        if op == "append" or not live:
+            if not live or r % 3 == 0:
+                live.append(_Entry(kv.new_sequence(), [torch.zeros(2, 0, 32)] * 2, []))
+            add_tokens(live[r % len(live)], 1 + r % 40)
+        elif op == "fork":
+            e = live[r % len(live)]
+            live.append(_Entry(e.seq.fork(), list(e.keys), list(e.ids), e.exact_from))
+        elif op == "free":
+            live.pop(r % len(live)).seq.free()
+        elif op == "truncate":
+            e = live[r % len(live)]
+            n = r % (e.seq.num_tokens + 1)
+            e.exact_from = max(e.exact_from, min(n, e.seq.window_start * 32))  # sealed blocks back in the window
+            e.seq.truncate(n)
+            e.keys, e.ids = [k[:, :n] for k in e.keys], e.ids[:n]
+        elif op == "idle":
+            e = live[r % len(live)]
+            e.seq.seal_idle()
+            e.exact_from = max(e.exact_from, e.seq.num_tokens // 32 * 32)
+        else:
+            src = live[r % len(live)]
+            hit = kv.start_from_prefix([*src.ids, -1])
+            n = hit.num_tokens
+            live.append(_Entry(hit, [k[:, :n] for k in src.keys], src.ids[:n], exact_from=n))
+            for layer in range(2):  # cached blocks are sealed: the same tokens, within quantization error
+                assert torch.allclose(hit.to_dense(layer)[0], src.keys[layer][:, :n], atol=3.0)
+        kv.check()
+        for e in live:
+            lo = max(e.seq.window_start * 32, e.exact_from)
+            for layer in range(2):
+                k, _ = e.seq.to_dense(layer)
+                assert torch.equal(k[:, lo:], e.keys[layer][:, lo:]), (op, e.seq)
+    for e in live:
+        e.seq.free()
+    kv.check()
+    assert kv.pool.staged_blocks == 0 and int(kv.pool.window_holds.abs().sum()) == 0

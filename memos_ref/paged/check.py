@@ -7,7 +7,9 @@ Checked, each failure naming the offending block ids:
 3. no block writable in place by two sequences (a partly filled tail shared by two must have refcount >= 2,
    so it is copied on write — implied by 1, checked explicitly for a clear message);
 4. free + active + cached = total, and the free and cached lists hold exactly the blocks in those states;
-5. every prefix-cached block is active or cached, never free.
+5. every prefix-cached block is active or cached, never free;
+6. over a quantized pool with residual windows: each block's ``window_holds`` equals the number of live
+   sequences holding it inside their window, and no staging slot belongs to a free or cached block.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def check_invariants(
         cached_not_ok = [b for b in cached if allocator.refcount[b] != 0 or not allocator.cacheable[b]]
         if cached_not_ok:
             raise InvariantError(f"cached blocks {cached_not_ok} have holders or no prefix", cached_not_ok)
+        _check_windows(allocator, sequences)
         if prefix_cache is not None:
             stale = sorted(b for b in prefix_cache._hash_of if allocator.state[b] == BlockState.FREE)
             if stale:
@@ -78,3 +81,26 @@ def check_invariants(
                         raise InvariantError(
                             f"sequence {seq.seq_id} holds prefix-cached block {block} with other token ids", [block]
                         )
+
+
+def _check_windows(allocator: BlockAllocator, sequences: list[SequenceCache]) -> None:
+    pools = {id(seq.pool): seq.pool for seq in sequences if getattr(seq.pool, "tracks_windows", False)}
+    for pool in pools.values():
+        want: Counter[int] = Counter()
+        for seq in sequences:
+            if seq.pool is pool:
+                want.update(seq.block_table[seq.window_start :])
+        holds = pool.window_holds.tolist()
+        bad = [b for b in range(pool.num_blocks) if holds[b] != want.get(b, 0)]
+        if bad:
+            detail = ", ".join(f"{b}: {holds[b]} vs {want.get(b, 0)}" for b in bad[:8])
+            raise InvariantError(
+                f"window holds disagree with the sequences' windows for blocks {bad[:8]} ({detail})", bad
+            )
+        staged_free = [
+            b
+            for b in range(pool.num_blocks)
+            if int(pool.staging_slot[b]) >= 0 and allocator.state[b] == BlockState.FREE
+        ]
+        if staged_free:
+            raise InvariantError(f"free blocks {staged_free[:8]} still hold staging slots", staged_free)
