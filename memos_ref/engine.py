@@ -231,6 +231,10 @@ class Engine:
                 self.waiting.popleft()
                 self._fail(request, seq, exc)
                 continue
+            except BaseException:  # an interrupt: the request stays queued, its blocks go back
+                if seq is not None:
+                    seq.free()
+                raise
             self.waiting.popleft()
             request.stats.prompt_tokens = len(request.prompt)
             request.stats.reused_tokens += reused
@@ -280,16 +284,22 @@ class Engine:
             self._preempt()
         if not self.running:
             return
-        batch, self.running = list(self.running), []
+        batch = list(self.running)
         held = [seq.num_tokens for _, seq in batch]  # before the step: what a rollback returns to
         try:
             logits, elapsed = self._decode(batch)
         except Exception:  # some row failed: undo the step, then decode row by row so only failing rows fail
             for (_, seq), n in zip(batch, held):
                 _rollback(seq, n)
+            self.running = []
             for request, seq in batch:
                 self._decode_one(request, seq)
+        except BaseException:  # an interrupt: undo the step, keep every row running, let it through
+            for (_, seq), n in zip(batch, held):
+                _rollback(seq, n)
+            raise
         else:
+            self.running = []
             for row, (request, seq) in enumerate(batch):
                 self._finish_row(request, seq, logits[row, -1], elapsed)
         self.steps += 1

@@ -384,6 +384,35 @@ def test_a_failed_decode_keeps_the_tokens_generated_before_it(shipped_pair, solo
     assert bad.output == solo_outputs[1][: len(bad.output)]
 
 
+class _Interrupt(BaseException):
+    """Not an Exception: like KeyboardInterrupt, it must propagate, and lose nothing."""
+
+
+@pytest.mark.parametrize("stage", ["prefill", "decode"])
+def test_an_interrupt_propagates_and_a_later_run_resumes_every_request(shipped_pair, solo_outputs, monkeypatch, stage):
+    ours, _ = shipped_pair
+    engine = _engine(ours)
+    requests = [engine.submit(Request(p, N_NEW)) for p in PROMPTS]
+    real = engine_mod.attend_sequences
+    armed = {"left": 1}
+
+    def attend(query, sequences, layer, *a, **k):
+        is_stage = (query.shape[2] > 1) == (stage == "prefill")
+        if armed["left"] and layer == 1 and is_stage and (stage == "prefill" or engine.steps == 2):
+            armed["left"] -= 1
+            raise _Interrupt
+        return real(query, sequences, layer, *a, **k)
+
+    monkeypatch.setattr(engine_mod, "attend_sequences", attend)
+    with pytest.raises(_Interrupt):
+        engine.run()
+    engine.kv.check()
+    engine.run()  # resumes: nothing was lost or left half-written
+    for request, expected in zip(requests, solo_outputs):
+        assert not request.failed and request.output == expected
+    assert engine.kv.allocator.num_active == 0
+
+
 def test_a_request_whose_prompt_outgrows_the_pool_fails_instead_of_wedging(shipped_pair):
     ours, _ = shipped_pair
     engine = Engine(ours, PagedKV(ours.kv_spec(block_size=8), 3), max_batch=2)
