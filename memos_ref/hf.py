@@ -45,6 +45,7 @@ from memos_ref.errors import (
     LayerIndexError,
     OutOfBlocksError,
     ShapeError,
+    StagingFullError,
     StateError,
     UnsupportedModelError,
     UseAfterFreeError,
@@ -475,10 +476,29 @@ class PagedCache(Cache):
             self._ensure_blocks(
                 lambda: sum(seq.blocks_needed(n) if seq else self.kv.spec.blocks_for(n) for seq in rows)
             )
+            self._ensure_staging(rows, n)
         if not self.sequences:
             self.sequences = [self.kv.new_sequence(self.cache_salt) for _ in range(key.shape[0])]
         for row, seq in enumerate(self.sequences):
             seq.append(layer, key[row], value[row])
+
+    def _ensure_staging(self, rows: list[Any], n: int) -> None:
+        """Raise :class:`StagingFullError` before any row is written unless a quantized pool with a residual
+        window has the full-precision staging blocks every row needs for ``n`` more tokens (a row that ran out
+        half-way would leave the earlier rows appended). Rows sharing a partly filled tail each count one copy,
+        so the check errs on the side of refusing."""
+        pool = self.kv.pool
+        if not getattr(pool, "tracks_windows", False):
+            return
+        need = sum(seq.staging_needed(n) if seq else self.kv.spec.blocks_for(n) for seq in rows)
+        available = pool.staging_available
+        if need > available:
+            raise StagingFullError(
+                f"staging blocks: needed {need} for {len(rows)} rows of {n} tokens, available {available}; "
+                f"free finished caches, raise staging_blocks or lower residual_tokens",
+                needed=need,
+                capacity=available,
+            )
 
     def _ensure_blocks(self, needed_blocks: Any) -> None:
         """Raise :class:`OutOfBlocksError` (saying what to do) unless the pool can give ``needed_blocks()`` blocks;

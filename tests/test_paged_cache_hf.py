@@ -22,6 +22,7 @@ from memos_ref.errors import (
 from memos_ref.hf import PagedCache
 from memos_ref.model.tokenizer import ByteTokenizer
 from memos_ref.paged import PagedKV
+from memos_ref.spec import KVSpec
 
 NEW = 64
 tok = ByteTokenizer()
@@ -329,4 +330,30 @@ def test_a_cache_dropped_inside_the_allocator_is_freed_on_the_next_operation(shi
     kv.check()
     PagedCache(kv)  # the next operation releases it
     assert kv.allocator.num_active == 0 and not kv.sequences
+    kv.check()
+
+
+def test_staging_full_in_a_batch_leaves_every_row_as_it_was():
+    """A quantized pool with a residual window has a fixed number of full-precision staging blocks. A batch
+    whose second row cannot get one must fail before the first row is written (issue 13, item 5: "a
+    StagingFullError leaves the sequence half-written")."""
+    from memos_ref.errors import StagingFullError
+    from memos_ref.quant import PerTokenInt8
+
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=8, dtype=torch.float32)
+    kv = PagedKV(spec, 16, quant=PerTokenInt8(), residual_tokens=64, staging_blocks=3, prefix_caching=False)
+    cache = PagedCache(kv)
+    g = torch.Generator().manual_seed(0)
+    kv0 = torch.randn(2, 2, 8, 8, generator=g)  # [B=2, H, n=8, D]: one staged block per row
+    for layer in range(2):
+        cache.update(kv0, kv0, layer)
+    before = ([list(s.block_table) for s in cache.sequences], [s.num_tokens for s in cache.sequences])
+    free_before, staging_before = kv.allocator.num_available, kv.pool.staging_available
+    step = torch.randn(2, 2, 1, 8, generator=g)  # each row needs a new block: 2 staging blocks, 1 free
+    with pytest.raises(StagingFullError, match="staging"):
+        cache.update(step, step, 0)
+    assert ([list(s.block_table) for s in cache.sequences], [s.num_tokens for s in cache.sequences]) == before
+    assert (kv.allocator.num_available, kv.pool.staging_available) == (free_before, staging_before)
+    kv.check()
+    cache.free()
     kv.check()
