@@ -25,6 +25,7 @@ __all__ = [
     "OutOfBlocksError",
     "RefcountUnderflowError",
     "ShapeError",
+    "SlidingWindowMemoryWarning",
     "StagingFullError",
     "StateError",
     "UnsupportedModelError",
@@ -142,6 +143,11 @@ class InvariantError(KVCacheError, AssertionError):
 
 class BackendDegradedWarning(RuntimeWarning):
     """A remote backend stopped answering; until it returns, reads answer as misses and writes are dropped."""
+
+
+class SlidingWindowMemoryWarning(UserWarning):
+    """A model has sliding-window attention layers: the paged cache keeps every token of them (attention still
+    sees only the window, so outputs are unchanged), so their KV memory grows with the context, not the window."""
 
 
 def check_type(name: str, value: object, expected: type | tuple[type, ...]) -> None:

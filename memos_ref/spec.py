@@ -15,7 +15,13 @@ from typing import Any
 
 import torch
 
-from memos_ref.errors import ArgumentTypeError, ConfigError, UnsupportedModelError, check_type
+from memos_ref.errors import (
+    ArgumentTypeError,
+    ConfigError,
+    SlidingWindowMemoryWarning,
+    UnsupportedModelError,
+    check_type,
+)
 
 __all__ = [
     "ALLOWED_BLOCK_SIZES",
@@ -273,11 +279,6 @@ class KVSpec:
 
 
 # -------------------------------------------------------------------- what a model config asks of the cache
-class SlidingWindowMemoryWarning(UserWarning):
-    """A model has sliding-window attention layers: the paged cache keeps every token of them (attention still
-    sees only the window, so outputs are unchanged), so their KV memory grows with the context, not the window."""
-
-
 #: Layer kinds whose KV the paged cache holds correctly (with the full context kept for sliding layers).
 _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
 #: Families whose layers keep recurrent / convolution state instead of (or beside) a KV cache.
