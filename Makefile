@@ -14,9 +14,9 @@ STAMP  := $(VENV)/.memos-ref-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup redis lab test lint unit notebooks demo bench clean
+.PHONY: setup git-filter redis lab test lint unit notebooks demo bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) git-filter
 
 # Re-runs only when pyproject.toml or this Makefile change; otherwise `make setup` is instant.
 $(STAMP): pyproject.toml Makefile
@@ -39,6 +39,20 @@ redis:
 		|| { $$SUDO apt-get update >/dev/null 2>&1 && $$SUDO apt-get install -y redis-server >/dev/null; } \
 		|| { if [ -n "$$CI" ]; then echo "error: could not install redis-server (apt-get install -y redis-server)"; exit 1; \
 		     else echo "warning: redis-server is missing; the Redis tests will be skipped"; fi; }; }
+
+# `make lab` opens notebooks/ in place and JupyterLab saves outputs into them. The nbstripout clean filter (named
+# in .gitattributes, configured here per clone) strips outputs and execution counts from what git stages and diffs,
+# so a notebook run in Lab is still committed clean, `git status` stays quiet, and `make test` (which checks what
+# git would commit) passes. A clone where this has not run yet works too: its notebooks are clean as committed.
+# --keep-id: the committed cell ids are stable names (nbstripout would renumber them); language_info is what Lab
+# writes about the kernel's Python version, noise in a diff.
+NBSTRIPOUT := '$(abspath $(BIN))/python' -m nbstripout --keep-id --extra-keys metadata.language_info
+
+git-filter:
+	@prefix=$$(git rev-parse --show-prefix 2>/dev/null) && [ -z "$$prefix" ] && { \
+		git config filter.nbstripout.clean "$(NBSTRIPOUT)" && \
+		git config filter.nbstripout.smudge cat && \
+		git config diff.ipynb.textconv "$(NBSTRIPOUT) -t"; } || true
 
 # Jupyter refuses to run as root unless told to (containers, CI machines).
 LAB_FLAGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
