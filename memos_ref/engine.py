@@ -17,6 +17,7 @@ import itertools
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from memos_ref.errors import (
     ConfigError,
     InvalidArgumentError,
     OutOfBlocksError,
+    StagingFullError,
     StateError,
     check_index,
     check_type,
@@ -84,6 +86,8 @@ class Request:
     def __post_init__(self) -> None:
         self.validate()
         self.prompt = [int(t) for t in self.prompt]
+        self.max_new_tokens = int(self.max_new_tokens)
+        self.seed = int(self.seed)  # numpy ints pass validation; the generator wants a Python int
         self.stop_ids = tuple(int(t) for t in self.stop_ids)
         self.temperature = float(self.temperature)
         self._generator = torch.Generator().manual_seed(self.seed)
@@ -165,11 +169,15 @@ class Engine:
     def submit(self, request: Request) -> Request:
         """Queue a request. It is checked first — token ids in the model's vocabulary, every field in its
         domain, not already submitted, a prompt the whole pool can hold (else
-        :class:`~memos_ref.errors.OutOfBlocksError`) — and nothing is queued when a check fails."""
+        :class:`~memos_ref.errors.OutOfBlocksError`) and, on a quantized pool, a prompt whose prefill fits the
+        whole staging slab (else :class:`~memos_ref.errors.StagingFullError`) — and nothing is queued when a
+        check fails."""
         check_type("request", request, Request)
         request.validate(self.vocab_size)
         if self.kv.spec.blocks_for(len(request.prompt) + 1) > self.kv.allocator.num_blocks:
             raise self._too_long(len(request.prompt))  # the whole pool could not hold its prompt
+        if self.kv.spec.blocks_for(len(request.prompt)) > self._staging_capacity():
+            raise self._staging_too_small(len(request.prompt))
         if request.finished or any(r is request for r in self.waiting) or any(r is request for r, _ in self.running):
             raise StateError(f"request {request.request_id} was already submitted; submit a new Request")
         self.waiting.append(request)
@@ -193,6 +201,22 @@ class Engine:
 
     def _too_long(self, tokens: int) -> OutOfBlocksError:
         return OutOfBlocksError(needed=self.kv.spec.blocks_for(tokens + 1), available=self.kv.allocator.num_blocks)
+
+    def _staging_capacity(self) -> float:
+        """Full-precision staging blocks of a quantized pool (its prefills write there); unbounded otherwise."""
+        pool = self.kv.pool
+        if not getattr(pool, "tracks_windows", False):
+            return math.inf
+        return int(pool.staging.shape[0])  # type: ignore[attr-defined]
+
+    def _staging_too_small(self, tokens: int) -> StagingFullError:
+        need, total = self.kv.spec.blocks_for(tokens), self._staging_capacity()
+        return StagingFullError(
+            f"a prefill of {tokens} tokens needs {need} full-precision staging blocks but the pool has {total} in "
+            f"all: raise staging_blocks or lower residual_tokens, or shorten the prompt",
+            needed=need,
+            capacity=int(total),
+        )
 
     def _fail(self, request: Request, seq: SequenceCache | None, error: BaseException) -> None:
         """Finish ``request`` with ``error``, releasing its blocks."""
@@ -222,9 +246,13 @@ class Engine:
                 seq = self.kv.start_from_prefix(ids)
                 logits, reused = self._prefill(seq, ids)
                 token = self._sample(request, logits[0, -1])
-            except CapacityExceededError:  # not the request's fault: it waits at the head of the queue
+            except CapacityExceededError as exc:  # not the request's fault: it waits at the head of the queue
                 if seq is not None:
                     seq.free()
+                if isinstance(exc, StagingFullError) and (exc.needed or 0) > self._staging_capacity():
+                    self.waiting.popleft()  # the whole staging slab could never hold it: fail it, not wait
+                    self._fail(request, None, exc)
+                    continue
                 self.deferred_admissions += 1
                 return
             except Exception as exc:
@@ -240,7 +268,8 @@ class Engine:
             request.stats.reused_tokens += reused
             request.stats.computed_tokens += len(ids) - reused
             self._emit(request, seq, token)
-            self._retire_or_keep(request, seq)
+            if self._retire_or_keep(request, seq):
+                self.running.append((request, seq))
 
     def _prefill(self, seq: SequenceCache, ids: list[int]) -> tuple[torch.Tensor, int]:
         """Compute the tokens of ``ids`` past ``seq``'s cached prefix; returns the logits and the reused count."""
@@ -251,12 +280,13 @@ class Engine:
         seq.set_token_ids(ids)
         return logits, reused
 
-    def _retire_or_keep(self, request: Request, seq: SequenceCache) -> None:
+    def _retire_or_keep(self, request: Request, seq: SequenceCache) -> bool:
+        """Retire a finished request (its blocks freed); returns True when it keeps running."""
         if request.finished:
             seq.free()
             self.finished.append(request)
-        else:
-            self.running.append((request, seq))
+            return False
+        return True
 
     def _preempt(self) -> None:
         request, seq = self.running.pop()  # the most recently admitted
@@ -291,18 +321,41 @@ class Engine:
         except Exception:  # some row failed: undo the step, then decode row by row so only failing rows fail
             for (_, seq), n in zip(batch, held):
                 _rollback(seq, n)
-            self.running = []
-            for request, seq in batch:
-                self._decode_one(request, seq)
+            self._per_row(batch, held, lambda row, request, seq: self._decode_one(request, seq))
         except BaseException:  # an interrupt: undo the step, keep every row running, let it through
             for (_, seq), n in zip(batch, held):
                 _rollback(seq, n)
             raise
         else:
-            self.running = []
-            for row, (request, seq) in enumerate(batch):
-                self._finish_row(request, seq, logits[row, -1], elapsed)
+            self._per_row(
+                batch, held, lambda row, request, seq: self._finish_row(request, seq, logits[row, -1], elapsed)
+            )
         self.steps += 1
+
+    def _per_row(
+        self,
+        batch: list[tuple[Request, SequenceCache]],
+        held: list[int],
+        handle: Callable[[int, Request, SequenceCache], bool],
+    ) -> None:
+        """Handle each row of a decoded ``batch`` (``handle`` returns True when the row keeps running) and make
+        the kept rows the running list. An interrupt (a ``BaseException``) part-way loses nothing: the rows not
+        yet handled — the interrupted one included — are cut back to their ``held`` tokens and stay running,
+        in order, after the rows already handled, and the interrupt goes through."""
+        kept: list[tuple[Request, SequenceCache]] = []
+        done = 0
+        try:
+            for row, (request, seq) in enumerate(batch):
+                if handle(row, request, seq):
+                    kept.append((request, seq))
+                done = row + 1
+        except BaseException:
+            rest = batch[done:]
+            for (_, seq), n in zip(rest, held[done:]):
+                _rollback(seq, n)
+            self.running = kept + [(r, s) for r, s in rest if not r.finished and not s._freed]
+            raise
+        self.running = kept
 
     def _decode(self, batch: list[tuple[Request, SequenceCache]]) -> tuple[torch.Tensor, float]:
         """One batched decode step: every row gets its last token; returns the logits ``[B, 1, V]``."""
@@ -316,7 +369,7 @@ class Engine:
                 raise StateError(f"sequence {seq.seq_id} was not written in every layer by the decode step")
         return logits, time.perf_counter() - started
 
-    def _decode_one(self, request: Request, seq: SequenceCache) -> None:
+    def _decode_one(self, request: Request, seq: SequenceCache) -> bool:
         """Decode one row alone (after a failed batched step): on failure the row's request fails, or waits
         again when the pool is out of room."""
         held = seq.num_tokens
@@ -325,24 +378,25 @@ class Engine:
         except CapacityExceededError:
             _rollback(seq, held)
             self._requeue(request, seq)
-            return
+            return False
         except Exception as exc:
             self._fail(request, seq, exc)
-            return
-        self._finish_row(request, seq, logits[0, -1], elapsed)
+            return False
+        return self._finish_row(request, seq, logits[0, -1], elapsed)
 
-    def _finish_row(self, request: Request, seq: SequenceCache, logits: torch.Tensor, elapsed: float) -> None:
-        """Record the decoded token of one row and sample the next; a failure here fails only this request."""
+    def _finish_row(self, request: Request, seq: SequenceCache, logits: torch.Tensor, elapsed: float) -> bool:
+        """Record the decoded token of one row and sample the next; a failure here fails only this request.
+        Returns True when the request keeps running."""
         try:
             seq.set_token_ids([request.output[-1]], start=seq.num_tokens - 1)
             token = self._sample(request, logits)
         except Exception as exc:
             self._fail(request, seq, exc)
-            return
+            return False
         request.stats.token_latencies_s.append(elapsed)
         request.stats.computed_tokens += 1
         self._emit(request, seq, token)
-        self._retire_or_keep(request, seq)
+        return self._retire_or_keep(request, seq)
 
     def run(self, max_steps: int = 100_000) -> list[Request]:
         """Step until every submitted request has finished; returns them in completion order (failed ones

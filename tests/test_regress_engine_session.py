@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -27,6 +28,7 @@ from memos_ref.errors import (
     InvalidArgumentError,
     KVCacheError,
     ModelMismatchError,
+    StagingFullError,
     StateError,
     UseAfterFreeError,
 )
@@ -754,3 +756,116 @@ def test_model_api_refuses_wrong_types(shipped_pair):
     with pytest.raises(KVCacheError, match="missing"):
         LlamaConfig.from_hf_dict({"model_type": "llama"})
     assert load_hf_model is not None  # the transformers route stays importable
+
+
+# ====================================================================== engine: interrupts per row, staging, seeds
+def _assert_interrupt_lost_nothing(engine: Engine, requests: list[Request], solo: list[list[int]]) -> None:
+    """After an interrupt: every request is tracked, every sequence has all layers at one token count, no block
+    leaked; a later run gives every request its solo output."""
+    tracked = [*engine.waiting, *(r for r, _ in engine.running), *engine.finished]
+    assert sorted(r.request_id for r in tracked) == sorted(r.request_id for r in requests)
+    for _, seq in engine.running:
+        assert len(set(seq.layer_tokens)) == 1 and seq.layer_tokens[0] == seq.num_tokens
+    assert len(engine.kv.sequences) == len(engine.running)
+    engine.kv.check()
+    engine.run()
+    for request, expected in zip(requests, solo):
+        assert not request.failed and request.output == expected
+    assert engine.kv.allocator.num_active == 0 and not engine.kv.sequences
+
+
+@pytest.mark.parametrize("row", [0, 1, 2])
+def test_an_interrupt_while_sampling_one_row_of_a_batched_step_loses_no_request(
+    shipped_pair, solo_outputs, monkeypatch, row
+):
+    ours, _ = shipped_pair
+    engine = _engine(ours)
+    requests = [engine.submit(Request(p, N_NEW)) for p in PROMPTS]
+    real_sample = engine._sample
+    calls = {"n": 0}
+
+    def sample(request, logits):
+        calls["n"] += 1
+        if calls["n"] == len(PROMPTS) + 1 + row:  # after the prefills: the first batched step, this row
+            raise _Interrupt
+        return real_sample(request, logits)
+
+    monkeypatch.setattr(engine, "_sample", sample)
+    with pytest.raises(_Interrupt):
+        engine.run()
+    monkeypatch.undo()
+    _assert_interrupt_lost_nothing(engine, requests, solo_outputs)
+
+
+@pytest.mark.parametrize("row", [0, 1, 2])
+def test_an_interrupt_while_retrying_a_failed_step_row_by_row_loses_no_request(
+    shipped_pair, solo_outputs, monkeypatch, row
+):
+    ours, _ = shipped_pair
+    engine = _engine(ours)
+    requests = [engine.submit(Request(p, N_NEW)) for p in PROMPTS]
+    real = engine_mod.attend_sequences
+    state = {"batched_failed": False, "rows": 0}
+
+    def attend(query, sequences, layer, *a, **k):
+        if query.shape[2] == 1 and engine.steps == 1:
+            if len(sequences) > 1 and not state["batched_failed"]:
+                state["batched_failed"] = True
+                raise _Boom("batched step")
+            if len(sequences) == 1 and state["batched_failed"] and layer == 2:
+                state["rows"] += 1
+                if state["rows"] == row + 1:  # this row's retry is interrupted after layers 0, 1 wrote it
+                    raise _Interrupt
+        return real(query, sequences, layer, *a, **k)
+
+    monkeypatch.setattr(engine_mod, "attend_sequences", attend)
+    with pytest.raises(_Interrupt):
+        engine.run()
+    monkeypatch.undo()
+    _assert_interrupt_lost_nothing(engine, requests, solo_outputs)
+
+
+def _quant_engine(model: Any) -> Engine:
+    from memos_ref.quant import PerTokenInt8
+
+    kv = PagedKV(model.kv_spec(block_size=8), 64, quant=PerTokenInt8(), residual_tokens=256, staging_blocks=2)
+    return Engine(model, kv, max_batch=2)
+
+
+def test_a_prompt_the_staging_slab_can_never_hold_is_refused_at_submit(shipped_pair):
+    ours, _ = shipped_pair
+    engine = _quant_engine(ours)
+    with pytest.raises(StagingFullError, match="staging"):
+        engine.submit(Request([1, *range(3, 30)], 3))  # 28 tokens: 4 staged blocks, the slab has 2
+    assert not engine.waiting
+    small = engine.submit(Request([1, 5, 6], 3))
+    engine.run()
+    assert not small.failed and len(small.output) == 3
+    assert engine.kv.allocator.num_active == 0
+
+
+def test_a_queued_request_the_staging_slab_can_never_hold_fails_alone_instead_of_wedging(shipped_pair):
+    ours, _ = shipped_pair
+    engine = _quant_engine(ours)
+    first = engine.submit(Request([1, 5, 6], 3))
+    big = engine.submit(Request([1, 9], 3))
+    after = engine.submit(Request([1, 7, 8], 3))
+    big.prompt = [1, *range(3, 30)]  # grown after submission (as a preempted request's prompt grows)
+    engine.run()
+    assert big.failed and isinstance(big.error, StagingFullError)
+    assert not first.failed and len(first.output) == 3
+    assert not after.failed and len(after.output) == 3
+    assert not engine.waiting and not engine.running and engine.kv.allocator.num_active == 0
+
+
+@pytest.mark.parametrize("seed", [np.int64(7), np.uint64(7), np.uint64(2**64 - 1), np.int32(0)])
+def test_a_numpy_integer_seed_is_accepted_and_samples_like_the_python_int(shipped_pair, seed):
+    ours, _ = shipped_pair
+    outputs = []
+    for s in (seed, int(seed)):
+        engine = _engine(ours)
+        request = engine.submit(Request(PROMPTS[0], 4, temperature=0.8, seed=s))
+        assert type(request.seed) is int
+        engine.run()
+        outputs.append(request.output)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 4
