@@ -51,7 +51,7 @@ from memos_ref.errors import (
     UseAfterFreeError,
     check_type,
 )
-from memos_ref.paged.sequence import SequenceCache
+from memos_ref.paged.sequence import UNKNOWN_TOKEN, SequenceCache
 from memos_ref.paged.store import PagedKV
 from memos_ref.spec import check_supported_config, warn_sliding, warn_sliding_window
 
@@ -73,12 +73,21 @@ _LINEAR_HINT = (
 class PagedView:
     """What ``PagedCache(direct=True).update`` returns instead of dense K/V: which cache and layer to read.
 
-    It holds the cache weakly (a layer keeps its last view; a strong reference would keep the cache alive)."""
+    It holds the cache weakly (a layer keeps its last view; a strong reference would keep the cache alive), and this
+    step's validated K/V until the attention function writes them (after its refusal checks, so a refused step
+    writes nothing)."""
 
-    __slots__ = ("_cache", "layer")
+    __slots__ = ("_cache", "_pending", "layer")
 
-    def __init__(self, cache: PagedCache, layer: int) -> None:
-        self._cache, self.layer = weakref.ref(cache), layer
+    def __init__(self, cache: PagedCache, layer: int, pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        self._cache, self.layer, self._pending = weakref.ref(cache), layer, pending
+
+    def _flush(self) -> None:
+        """Write the K/V held since ``update`` into the pages (once)."""
+        if self._pending is not None:
+            key, value = self._pending
+            self.cache._write(key, value, self.layer)
+            self._pending = None
 
     @property
     def cache(self) -> PagedCache:
@@ -122,11 +131,14 @@ def _paged_attention_forward(
             s_aux=s_aux,
             **kwargs,
         )
-    _refuse_unsupported(module, dropout, kwargs)
+    _refuse_unsupported(module, dropout, kwargs)  # before this step's K/V are written: a refusal writes nothing
     cache = key.cache
+    mask = _pages_mask(attention_mask, query)
     if sliding_window is not None:
         cache._note_sliding(int(sliding_window))
-    mask = _pages_mask(attention_mask, query)
+    elif _has_padding(mask):
+        cache._saw_padding = True
+    key._flush()
     out = cache._attend_stored(  # [B, Hq, S, D]
         query, key.layer, scaling, mask=mask, sliding_window=sliding_window, softcap=softcap, sinks=s_aux
     )
@@ -157,6 +169,15 @@ def _pages_mask(mask: Any, query: torch.Tensor) -> torch.Tensor | None:
     if mask.ndim != 4:
         raise ShapeError(f"attention mask: expected [batch, 1 or heads, queries, keys], got {tuple(mask.shape)}")
     return mask
+
+
+def _has_padding(mask: torch.Tensor | None) -> bool:
+    """Whether a causal ``[B, 1|Hq, Q, K]`` mask hides a key from the last query (padding; without a sliding
+    window the last query sees every earlier key)."""
+    if mask is None:
+        return False
+    last = mask[..., -1, :]
+    return bool((~last).any()) if last.dtype == torch.bool else bool((last < 0).any())
 
 
 def _dense_attention_forward(module, query, key, value, attention_mask, *, scaling, dropout, **kwargs):
@@ -339,6 +360,7 @@ class PagedCache(Cache):
         self._rows = _Rows(kv, rows)
         self._freed = False
         self._sliding_noted = False
+        self._saw_padding = False  # set when the memos_paged attention saw a padding mask (direct=True)
         self._finalizer = weakref.finalize(self, _release_rows, self._rows)
         self._finalizer.atexit = False
         super().__init__(layers=[PagedLayer(self, i) for i in range(kv.spec.num_layers)])
@@ -403,7 +425,9 @@ class PagedCache(Cache):
             for seq in rows:
                 seq.free()
             raise
-        return PagedCache(self.kv, rows, cache_salt=self.cache_salt, direct=self.direct)
+        child = PagedCache(self.kv, rows, cache_salt=self.cache_salt, direct=self.direct)
+        child._saw_padding = self._saw_padding
+        return child
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PagedCache:
         """``copy.deepcopy(cache)`` (transformers' prompt-reuse recipe) is :meth:`fork`: the copy shares every
@@ -419,9 +443,17 @@ class PagedCache(Cache):
     def __exit__(self, *exc: object) -> None:
         self.free()
 
-    def set_token_ids(self, input_ids: torch.Tensor) -> None:
+    def set_token_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         """Record the token ids ``[B, S]`` of the first S positions so full blocks enter the prefix cache
-        (``update`` sees only K/V; call this after ``generate`` with its output, minus the last token)."""
+        (``update`` sees only K/V; call this after ``generate`` with its output, minus the last token).
+
+        A padded batch must pass the ``attention_mask [B, >= S]`` it was generated with: masked (pad) positions
+        are recorded as unknown (:data:`~memos_ref.paged.UNKNOWN_TOKEN`), so neither their blocks nor any later
+        block of the row are prefix-cached (their K/V were computed with shifted positions; reusing them for an
+        unpadded prompt of the same ids would give wrong tokens). Only ``direct=True`` sees the padding itself
+        (the plain ``update`` path is not told): there, omitting the mask after a padded batch raises
+        :class:`InvalidArgumentError`.
+        """
         self._check_live()
         check_type("input_ids", input_ids, torch.Tensor)
         if input_ids.ndim != 2:
@@ -431,8 +463,17 @@ class PagedCache(Cache):
         held = max((seq.num_tokens for seq in self.sequences), default=0)
         if input_ids.shape[1] < held:
             raise ShapeError(f"the cache holds {held} tokens per row but only {input_ids.shape[1]} ids were given")
-        for seq, ids in zip(self.sequences, input_ids):
-            seq.set_token_ids(ids[: seq.num_tokens].tolist())
+        if attention_mask is None and self._saw_padding:
+            raise InvalidArgumentError(
+                "this cache was written with a padded batch: pass the attention_mask it was generated with, "
+                "set_token_ids(ids, attention_mask=mask) (pad positions must not enter the prefix cache)"
+            )
+        keep = _check_token_mask(attention_mask, input_ids.shape[0], held)
+        for row, (seq, ids) in enumerate(zip(self.sequences, input_ids)):
+            tokens = ids[: seq.num_tokens].tolist()
+            if keep is not None:
+                tokens = [t if k else UNKNOWN_TOKEN for t, k in zip(tokens, keep[row])]
+            seq.set_token_ids(tokens)
 
     # ------------------------------------------------------------------ the Cache protocol
     def _check(self, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -552,10 +593,12 @@ class PagedCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[Any, Any]:
-        self._write(key, value, layer)
-        if self.direct:  # the registered attention function reads the pages
-            view = PagedView(self, layer)
+        if self.direct:  # the registered attention function writes (after its refusal checks) and reads the pages
+            self._check_live()
+            self._check(key, value)
+            view = PagedView(self, layer, (key, value))
             return view, view
+        self._write(key, value, layer)
         keys, values = [], []
         for seq in self.sequences:
             k, v = seq.to_dense(layer)  # [H, S, D]: the gather transformers' attention needs
@@ -629,6 +672,21 @@ class PagedCache(Cache):
             "blocks": sum(seq.num_blocks for seq in self.sequences),
             **self.kv.stats(),
         }
+
+
+def _check_token_mask(mask: torch.Tensor | None, batch: int, held: int) -> list[list[bool]] | None:
+    """``attention_mask [B, >= held]`` of 0/1 (or bool) as per-row lists of the first ``held`` positions."""
+    if mask is None:
+        return None
+    check_type("attention_mask", mask, torch.Tensor)
+    if mask.ndim != 2 or mask.shape[0] != batch or mask.shape[1] < held:
+        raise ShapeError(f"attention_mask: expected [{batch}, >= {held}], got {tuple(mask.shape)}")
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise DTypeError(f"attention_mask: expected an integer or bool tensor, got {mask.dtype}")
+    part = mask[:, :held]
+    if mask.dtype != torch.bool and bool(((part != 0) & (part != 1)).any()):
+        raise InvalidArgumentError("attention_mask: expected 0 (pad) or 1 (token) entries")
+    return part.bool().tolist()
 
 
 def _check_sequences(kv: PagedKV, sequences: Sequence[SequenceCache] | None) -> list[SequenceCache]:

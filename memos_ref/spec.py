@@ -224,7 +224,6 @@ class KVSpec:
         model_dtype = _module_dtype(config)
         cfg = config_dict(config)
         check_supported_config(cfg)
-        warn_sliding_window(cfg)
 
         def pick(*names: str) -> Any:
             for name in names:
@@ -235,7 +234,9 @@ class KVSpec:
         layers = pick("num_hidden_layers", "n_layer", "num_layers")
         q_heads = pick("num_attention_heads", "n_head")
         hidden = pick("hidden_size", "n_embd", "d_model")
-        kv_heads = pick("num_key_value_heads", "multi_query_group_num") or q_heads
+        kv_heads = pick("num_key_value_heads", "multi_query_group_num")
+        if kv_heads is None:  # no GQA: one KV head per query head (0 is refused below, not taken for "none")
+            kv_heads = q_heads
         if cfg.get("multi_query") is True:  # GPT-BigCode style MQA
             kv_heads = 1
         head_dim = pick("head_dim")
@@ -255,8 +256,12 @@ class KVSpec:
                 f"cannot derive the KV geometry"
             )
         for label, value in (("layers", layers), ("attention heads", q_heads), ("KV heads", kv_heads)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"config has {label} = {value!r}: expected a positive int")
+            _check_config_int(label, value)
+        if head_dim is not None:
+            _check_config_int("head_dim", head_dim)
+        else:
+            _check_config_int("hidden_size", hidden)
+        warn_sliding_window(cfg)  # after the geometry is known to be sane
         if q_heads % kv_heads:
             raise ConfigError(f"num_attention_heads ({q_heads}) is not a multiple of num_key_value_heads ({kv_heads})")
         if head_dim is None:
@@ -268,11 +273,19 @@ class KVSpec:
             head_dim = hidden // q_heads
         if dtype is None:
             dtype = model_dtype or pick("dtype", "torch_dtype") or torch.get_default_dtype()
+            if not isinstance(dtype, (str, torch.dtype)):
+                raise ConfigError(f"config has dtype = {dtype!r}: expected a dtype name or torch.dtype")
+        kv_dtype = dtype_from_name(dtype)
+        if not kv_dtype.is_floating_point:
+            raise ConfigError(
+                f"KV dtype {kv_dtype} is not a floating dtype: K/V are the model's activations; pass "
+                f"dtype='float32' / 'bfloat16' / 'float16' (quantize with a quantized pool instead)"
+            )
         return cls(
             num_layers=layers,
             num_kv_heads=kv_heads,
-            head_dim=int(head_dim),
-            dtype=dtype_from_name(dtype),
+            head_dim=head_dim,
+            dtype=kv_dtype,
             block_size=block_size,
             num_q_heads=q_heads,
         )
@@ -384,16 +397,26 @@ def _kv_widths_differ(cfg: Mapping[str, Any]) -> bool:
     return qk is not None and qk != v_dim
 
 
+def _check_config_int(label: str, value: Any) -> int:
+    """A config's geometry entry: a positive int (not a bool, float or string), else :class:`ConfigError`."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"config has {label} = {value!r:.80}: expected a positive int")
+    return value
+
+
 def sliding_window_layers(config: Any) -> tuple[int | None, int]:
-    """``(window, number of sliding-window layers)`` of a config; ``(None, 0)`` without sliding windows."""
+    """``(window, number of sliding-window layers)`` of a config; ``(None, 0)`` without sliding windows.
+    A window that is not a positive int raises :class:`ConfigError`."""
     cfg = config_dict(config)
     window = cfg.get("sliding_window")
-    if not window or cfg.get("use_sliding_window") is False:
+    if window is None or window is False or window == 0 or cfg.get("use_sliding_window") is False:
         return None, 0
+    window = _check_config_int("sliding_window", window)
     layer_types = cfg.get("layer_types")
     if layer_types:
-        return int(window), sum(1 for t in layer_types if t == "sliding_attention")
-    return int(window), int(cfg.get("num_hidden_layers") or 0)  # Mistral style: every layer slides
+        return window, sum(1 for t in layer_types if t == "sliding_attention")
+    layers = cfg.get("num_hidden_layers")
+    return window, _check_config_int("num_hidden_layers", layers) if layers is not None else 0  # all slide
 
 
 def warn_sliding_window(config: Any) -> bool:

@@ -242,3 +242,102 @@ def test_unsupported_models_fail_clearly_in_generate_without_a_config(family, mo
     with pytest.raises(UnsupportedModelError, match=match):
         model.generate(ids, cache=PagedCache(kv), max_new_tokens=2)
     assert kv.allocator.stats() == before and not kv.sequences
+
+
+# ---------------------------------------------- refusals write nothing; padding and the prefix cache
+def _refused_setups():
+    """(name, model in the given state, forward kwargs) whose direct=True step the memos_paged attention refuses."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def dropout():
+        torch.manual_seed(0)
+        config = _config("llama", attention_dropout=0.5)
+        config._attn_implementation = PAGED
+        return tf.LlamaForCausalLM(config).train(), {}
+
+    def non_causal():
+        model = copy.deepcopy(_model("llama", PAGED))
+        for layer in model.model.layers:
+            layer.self_attn.is_causal = False
+        return model, {}
+
+    def block_mask():
+        mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, 12, 12, device="cpu")
+        return _model("llama", PAGED), dict(attention_mask=mask)
+
+    return {"train_dropout": dropout, "non_causal": non_causal, "block_mask": block_mask}
+
+
+@pytest.mark.parametrize("setup", ["train_dropout", "non_causal", "block_mask"])
+def test_a_refused_direct_step_writes_nothing(setup):
+    """The refusal comes before the step's K/V are written: no layer holds a token, no block is held, and the
+    cache still crops, forks and generates (it used to be left mid-step with layer 0 written)."""
+    model, extra = _refused_setups()[setup]()
+    kv = _kv(model, 32)
+    cache = PagedCache(kv, direct=True)
+    ids = torch.randint(1, 100, (1, 12), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(UnsupportedModelError):
+        model(ids, cache=cache, use_cache=True, **extra)
+    assert cache.get_seq_length() == 0
+    assert [seq.layer_tokens for seq in cache.sequences] in ([], [[0, 0]])
+    assert kv.allocator.num_active == 0
+    kv.check()
+    cache.crop(0)
+    cache.fork().free()
+    good = _model("llama", PAGED)
+    assert torch.equal(_greedy(good, ids, None, cache), _greedy(good, ids, None, DynamicCache()))
+    cache.free()
+    assert kv.allocator.num_active == 0
+
+
+def _padded_then_literal(direct: bool):
+    """Generate a left-padded batch into a fresh pool; return (model, kv, cache, output, mask, row 1 as a prompt)."""
+    model = _model("llama", PAGED if direct else None)
+    kv = _kv(model)
+    ids, mask = _prompts(batch=True)
+    cache = PagedCache(kv, direct=direct)
+    out = _greedy(model, ids, mask, cache)
+    return model, kv, cache, out, mask, out[1:, :16]  # 5 pad zeros (a real token id) then the row's text
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["update", "direct"])
+def test_pad_positions_never_enter_the_prefix_cache(direct):
+    """set_token_ids with the generation's mask records pads as unknown: an unpadded prompt of the very same ids
+    gets no hit from the padded row (whose K/V were computed masked, at shifted positions) and generates
+    DynamicCache's tokens."""
+    model, kv, cache, out, mask, literal = _padded_then_literal(direct)
+    full_mask = torch.cat([mask, torch.ones(2, out.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+    cache.set_token_ids(out[:, :-1], attention_mask=full_mask[:, :-1])
+    assert cache.sequences[1].token_ids[:5] == [-1] * 5  # UNKNOWN_TOKEN
+    assert cache.sequences[1].num_registered == 0  # nothing after the first unknown position is registered
+    assert cache.sequences[0].num_registered > 0  # the unpadded row is still cached
+    cache.free()
+    want = _greedy(model, literal, None, DynamicCache())
+    hit = PagedCache.from_prefix(kv, literal)
+    assert hit.get_seq_length() == 0
+    hit.direct = direct
+    assert torch.equal(_greedy(model, literal, None, hit), want)
+    hit.free()
+    kv.check()
+
+
+def test_set_token_ids_without_the_mask_after_a_padded_direct_batch_is_refused():
+    """direct=True sees the padding mask: omitting attention_mask afterwards raises, records nothing, and leaves
+    the cache exactly as it was (an unpadded batch still needs no mask)."""
+    from memos_ref.errors import InvalidArgumentError
+
+    _, kv, cache, out, _, _ = _padded_then_literal(direct=True)
+    before = [list(seq.token_ids) for seq in cache.sequences], kv.allocator.num_active
+    with pytest.raises(InvalidArgumentError, match="attention_mask"):
+        cache.set_token_ids(out[:, :-1])
+    assert ([list(seq.token_ids) for seq in cache.sequences], kv.allocator.num_active) == before
+    assert all(seq.num_registered == 0 for seq in cache.sequences)
+    assert cache.fork()._saw_padding  # a fork of a padded cache knows it too
+    cache.free()
+    model = _model("llama", PAGED)
+    ids, _ = _prompts(batch=False)
+    plain = PagedCache(kv, direct=True)
+    out = _greedy(model, ids, None, plain)
+    plain.set_token_ids(out[:, :-1])  # no padding seen: no mask needed
+    assert plain.sequences[0].num_registered > 0
+    plain.free()

@@ -311,3 +311,43 @@ def test_wrong_argument_types_raise_argument_type_error(call, match):
 
     with pytest.raises(ArgumentTypeError, match=match):
         call()
+
+
+_GOOD = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=32)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(hidden_size="32"), "hidden_size"),
+        (dict(hidden_size=32.5), "hidden_size"),
+        (dict(head_dim="abc"), "head_dim"),
+        (dict(head_dim=[8]), "head_dim"),
+        (dict(head_dim=7.9), "head_dim"),
+        (dict(head_dim=True), "head_dim"),
+        (dict(head_dim=0), "head_dim"),
+        (dict(num_key_value_heads=0), "KV heads"),
+        (dict(num_key_value_heads=True), "KV heads"),
+        (dict(num_hidden_layers=True), "layers"),
+        (dict(sliding_window="big", use_sliding_window=True), "sliding_window"),
+        (dict(sliding_window=2.5), "sliding_window"),
+        (dict(sliding_window=-4), "sliding_window"),
+        (dict(torch_dtype=torch.int8), "floating"),
+        (dict(dtype="uint8"), "floating"),
+        (dict(dtype=5), "dtype"),
+    ],
+)
+def test_odd_config_values_raise_config_error(changes, match):
+    """Geometry must be positive ints (no bool, float, string, list; 0 KV heads is not 'no GQA'), the window a
+    positive int, the KV dtype floating: anything else is a ConfigError, not a raw error or a silent guess."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ConfigError, match=match):
+            KVSpec.from_hf_config({**_GOOD, **changes}, block_size=8)
+
+
+def test_an_explicit_non_float_kv_dtype_is_refused_and_a_float_one_kept():
+    with pytest.raises(ConfigError, match="floating"):
+        KVSpec.from_hf_config(_GOOD, dtype="uint8")
+    assert KVSpec.from_hf_config({**_GOOD, "torch_dtype": torch.int8}, dtype="bfloat16").dtype == torch.bfloat16
+    assert KVSpec.from_hf_config({**_GOOD, "sliding_window": 0}).num_kv_heads == 4  # 0 = no window, no GQA
