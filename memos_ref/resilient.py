@@ -100,11 +100,20 @@ def validate_ttl(ttl: object, name: str = "ttl") -> float | None:
     if ttl is None:
         return None
     check_type(name, ttl, numbers.Real)
-    if not (math.isfinite(ttl) and 0 < ttl <= MAX_TTL_S):  # type: ignore[arg-type]
+    seconds = _as_float(ttl)
+    if seconds is None or not (math.isfinite(seconds) and 0 < seconds <= MAX_TTL_S):
         raise InvalidArgumentError(
-            f"{name} must be a finite number of seconds in (0, {MAX_TTL_S}], or None for no expiry; got {ttl!r}"
+            f"{name} must be a finite number of seconds in (0, {MAX_TTL_S}], or None for no expiry; got {ttl!r:.80}"
         )
-    return float(ttl)  # type: ignore[arg-type]
+    return seconds
+
+
+def _as_float(value: object) -> float | None:
+    """``float(value)``, or None where it does not fit a float (an int like ``10**400``)."""
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (OverflowError, ValueError, TypeError):
+        return None
 
 
 def ttl_to_px(ttl: float | None) -> int | None:
@@ -124,13 +133,16 @@ def _refused(exc: BaseException) -> bool:
     return False
 
 
-def _positive_seconds(name: str, value: object, *, allow_zero: bool = False) -> float:
+def check_seconds(name: str, value: object, *, allow_zero: bool = False) -> float:
+    """A configured duration in seconds as a float: finite and ``> 0`` (``>= 0`` with ``allow_zero``), else
+    :class:`~memos_ref.errors.ConfigError` (:class:`~memos_ref.errors.ArgumentTypeError` for a non-number)."""
     check_type(name, value, (int, float))
-    ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)  # type: ignore[arg-type]
+    seconds = _as_float(value)
+    ok = seconds is not None and math.isfinite(seconds) and (seconds >= 0 if allow_zero else seconds > 0)
     if not ok:
         bound = "finite and >= 0" if allow_zero else "finite and > 0"
-        raise ConfigError(f"{name} must be {bound} seconds, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+        raise ConfigError(f"{name} must be {bound} seconds, got {value!r:.80}")
+    return seconds  # type: ignore[return-value]
 
 
 class ResilientRedis:
@@ -156,8 +168,8 @@ class ResilientRedis:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         check_type("url", url, str)
-        timeout = _positive_seconds("timeout", timeout)
-        retry_after = _positive_seconds("retry_after", retry_after, allow_zero=True)
+        timeout = check_seconds("timeout", timeout)
+        retry_after = check_seconds("retry_after", retry_after, allow_zero=True)
         check_type("failure_threshold", failure_threshold, int)
         if failure_threshold < 1:
             raise ConfigError(f"failure_threshold must be >= 1, got {failure_threshold}")

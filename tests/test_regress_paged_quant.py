@@ -652,3 +652,114 @@ def test_random_sharing_never_changes_a_token_inside_its_window(ops, name):
         e.seq.free()
     kv.check()
     assert kv.pool.staged_blocks == 0 and int(kv.pool.window_holds.abs().sum()) == 0
+
+
+# ---------------------------------------------------------------------- token ids beyond 64 bits
+HUGE_IDS = [2**63, 2**64, 2**70]
+SMALL = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=8, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("huge", HUGE_IDS)
+def test_token_ids_beyond_int64_are_refused_before_any_change(huge):
+    kv = PagedKV(SMALL, 16)
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        kv.start_from_prefix([huge] * 20)
+    assert len(kv.sequences) == 0 and kv.allocator.num_active == 0  # no sequence left behind
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        kv.prefix_cache.lookup([1] * 8 + [huge] * 9)
+    seq = kv.new_sequence()
+    for layer in range(2):
+        seq.append(layer, torch.ones(2, 8, 8), torch.ones(2, 8, 8))
+    before = _snapshot(kv, [seq])
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        seq.set_token_ids([huge] + [1] * 7)
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        seq.append(0, torch.ones(2, 8, 8), torch.ones(2, 8, 8), [huge] * 8)
+    assert _equal(before, _snapshot(kv, [seq]))
+    seq.set_token_ids([5] * 8)  # the sequence still works
+    for layer in range(2):
+        seq.append(layer, torch.ones(2, 1, 8), torch.ones(2, 1, 8))
+    assert seq.num_registered == 1 and seq.num_tokens == 9
+    kv.check()
+
+
+def test_largest_int64_token_id_is_accepted():
+    kv = PagedKV(SMALL, 16)
+    seq = kv.new_sequence()
+    for layer in range(2):
+        seq.append(layer, torch.ones(2, 8, 8), torch.ones(2, 8, 8), [2**63 - 1] * 8 if layer == 0 else None)
+    assert seq.num_registered == 1
+
+
+def test_uint64_token_tensors_beyond_int64_are_refused():
+    from memos_ref.hf import PagedCache
+
+    kv = PagedKV(SMALL, 16)
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        PagedCache.from_prefix(kv, torch.full((1, 12), 2**63, dtype=torch.uint64))
+    assert len(kv.sequences) == 0 and kv.allocator.num_active == 0
+    cache = PagedCache(kv)
+    for layer in range(2):
+        cache.update(torch.ones(1, 2, 8, 8), torch.ones(1, 2, 8, 8), layer)
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        cache.set_token_ids(torch.full((1, 8), 2**63, dtype=torch.uint64))
+    assert cache.sequences[0].token_ids == [-1] * 8
+
+
+# ---------------------------------------------------------------------- values a quantized pool cannot encode
+ONE = KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=8, dtype=torch.float32)
+QUANTS = {"fp8": FP8E4M3, "int8_token": PerTokenInt8, "int8_tensor": lambda: PerTensorInt8(scale=0.1)}
+
+
+@pytest.mark.parametrize("residual", [0, 8])
+@pytest.mark.parametrize("name", sorted(QUANTS))
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("kind", ["key", "value"])
+def test_quantized_pool_refuses_non_finite_kv_and_changes_nothing(kind, bad, name, residual):
+    kv = PagedKV(ONE, 4, quant=QUANTS[name](), residual_tokens=residual, prefix_caching=False)
+    seq = kv.new_sequence()
+    x = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(0))
+    seq.append(0, x, x)
+    before, dense = _snapshot(kv, [seq]), seq.to_dense(0)
+    y = torch.randn(1, 1, 8, generator=torch.Generator().manual_seed(1))
+    k, v = y.clone(), y.clone()
+    (k if kind == "key" else v)[0, 0, 3] = bad
+    with pytest.raises(InvalidArgumentError, match=f"layer 0 {kind}: found a non-finite"):
+        seq.append(0, k, v)
+    assert _equal(before, _snapshot(kv, [seq]))
+    assert all(torch.equal(a, b) for a, b in zip(dense, seq.to_dense(0)))  # earlier tokens still read back
+    slots = torch.tensor([5])
+    with pytest.raises(InvalidArgumentError, match="non-finite"):
+        kv.pool.write(0, slots, k.transpose(0, 1), v.transpose(0, 1))
+    assert _equal(before, _snapshot(kv, [seq]))
+
+
+def test_per_token_int8_refuses_an_absmax_its_fp16_scale_cannot_hold():
+    q = PerTokenInt8()
+    limit = 127.0 * 65504.0
+    ok = torch.tensor([[[limit, 5.0, -3.0, 1.0]]])
+    assert torch.isfinite(q.dequantize(q.quantize(ok))).all()
+    for big in (1.0e7, -1.0e7, 3.0e38):
+        x = torch.tensor([[[big, 5.0, -3.0, 1.0]]])
+        with pytest.raises(InvalidArgumentError, match="127 \\* 65504"):
+            q.quantize(x)
+
+
+@pytest.mark.parametrize("residual", [0, 8])
+def test_int8_token_pool_refuses_an_absmax_beyond_its_scale_before_writing(residual):
+    kv = PagedKV(ONE, 4, quant=PerTokenInt8(), residual_tokens=residual, prefix_caching=False)
+    seq = kv.new_sequence()
+    x = torch.randn(1, 2, 8, generator=torch.Generator().manual_seed(0))
+    seq.append(0, x, x)
+    before = _snapshot(kv, [seq])
+    k = torch.randn(1, 2, 8, generator=torch.Generator().manual_seed(1))
+    k[0, 0, 0] = 1.0e7
+    with pytest.raises(InvalidArgumentError, match="layer 0 key: absmax"):
+        seq.append(0, k, k.clone().clamp(-1, 1))
+    assert _equal(before, _snapshot(kv, [seq]))
+    k[0, 0, 0] = 127.0 * 65504.0  # the largest value it can hold reads back finite
+    seq.append(0, k, k)
+    for _ in range(8):  # push the token out of any residual window so it is sealed
+        seq.append(0, x[:, :1], x[:, :1])
+    got = seq.to_dense(0)[0]
+    assert torch.isfinite(got).all() and float(got[0, 2, 0]) == pytest.approx(127.0 * 65504.0, rel=1e-2)

@@ -18,13 +18,21 @@ import sys
 import threading
 import tracemalloc
 import warnings
+from fractions import Fraction
 
 import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from memos_ref.errors import ArgumentTypeError, BackendDegradedWarning, InvalidArgumentError, KVCacheError
+from memos_ref.errors import (
+    ArgumentTypeError,
+    BackendDegradedWarning,
+    ConfigError,
+    InvalidArgumentError,
+    KVCacheError,
+)
 from memos_ref.memory import MemoryBackend, RedisBackend, RedisServer, TTLStore
+from memos_ref.resilient import ResilientRedis, validate_ttl
 from memos_ref.spec import KVSpec
 from memos_ref.tiering.backends import DiskBackend, HostMemoryBackend, RedisTierBackend
 from memos_ref.tiering.blockfile import FORMAT, decode_block, encode_block
@@ -702,3 +710,35 @@ def test_simulation_and_trace_helpers_wrong_argument_types():
             call()
     with pytest.raises(InvalidArgumentError):
         agent_memory_trace(100, p_hot=1.5)
+
+
+# ---------------------------------------------------------------------- budget and huge-number regressions
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_reputting_the_lru_key_larger_stays_within_the_budget(kind, tmp_path):
+    b = HostMemoryBackend(100, pin=False) if kind == "host" else DiskBackend(tmp_path, 100)
+    b.put("aa", b"x" * 40)
+    b.put("bb", b"y" * 40)
+    assert b.put("aa", b"z" * 90)  # "aa" is the least recently used key: the others must go, not the budget
+    assert b.nbytes == 90 <= b.budget_bytes
+    assert b.keys() == ["aa"] and b.get("aa") == b"z" * 90
+
+
+HUGE_TTLS = [10**400, -(10**400), Fraction(1, 10**400)]
+
+
+@pytest.mark.parametrize("ttl", HUGE_TTLS, ids=["1e400", "-1e400", "1/1e400"])
+def test_a_ttl_beyond_float_range_is_an_invalid_argument(ttl):
+    with pytest.raises(InvalidArgumentError, match="ttl must be a finite number"):
+        validate_ttl(ttl)
+    for b in (TTLStore(), MemoryBackend(shards=1)):
+        b.set("k", "old")
+        with pytest.raises(InvalidArgumentError, match="ttl must be a finite number"):
+            b.set("k", "new", ttl)
+        assert b.get("k") == "old"
+
+
+def test_seconds_beyond_float_range_are_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="stale_tmp_s"):
+        DiskBackend(tmp_path, 100, stale_tmp_s=10**400)
+    with pytest.raises(ConfigError, match="timeout"):
+        ResilientRedis("redis://127.0.0.1:1/0", timeout=10**400)

@@ -192,8 +192,9 @@ class BlockPool:
         return groups
 
     # ------------------------------------------------------------------ data movement
-    def check_kv(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Reject K/V ``[n, H, D]`` this pool cannot store (shape, dtype, device), naming expected and actual."""
+    def check_kv(self, key: torch.Tensor, value: torch.Tensor, layer: int | None = None) -> None:
+        """Reject K/V ``[n, H, D]`` this pool cannot store (shape, dtype, device), naming expected and actual
+        (``layer``, for the messages of pools that also check values, is unused here)."""
         check_kv(self.spec, self.device, key, value)
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:

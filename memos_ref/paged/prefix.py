@@ -27,11 +27,14 @@ __all__ = ["UNKNOWN_TOKEN", "PrefixCache", "block_hashes", "check_token_ids", "h
 HASH_BYTES = 16  # 128-bit BLAKE2b digests
 #: Token id recorded for positions whose ids were not given (such blocks are never prefix-cached).
 UNKNOWN_TOKEN = -1
+#: Largest token id: ids are hashed as signed 64-bit integers.
+MAX_TOKEN_ID = 2**63 - 1
 
 
 def check_token_ids(name: str, token_ids: object) -> list[int]:
-    """Token ids as a list of ints, each ``>= UNKNOWN_TOKEN`` (-1 = unknown); a string, a float or a tensor of
-    floats is refused with :class:`ArgumentTypeError`, a smaller negative id with :class:`InvalidArgumentError`."""
+    """Token ids as a list of ints, each in ``[UNKNOWN_TOKEN, MAX_TOKEN_ID]`` (-1 = unknown; ids are hashed as
+    signed 64-bit ints); a string, a float or a tensor of floats is refused with :class:`ArgumentTypeError`, an
+    id out of that range with :class:`InvalidArgumentError`."""
     if isinstance(token_ids, torch.Tensor):
         if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
             raise ArgumentTypeError(f"{name}: expected integer token ids, got a tensor of {token_ids.dtype}")
@@ -42,9 +45,12 @@ def check_token_ids(name: str, token_ids: object) -> list[int]:
         )
     out = list(token_ids)
     if not all(type(t) is int for t in out):  # fast path for plain ints; others (numpy ints) are converted
-        out = [check_index(f"{name}[{i}]", t, lo=UNKNOWN_TOKEN) for i, t in enumerate(out)]
-    elif out and min(out) < UNKNOWN_TOKEN:
-        raise InvalidArgumentError(f"{name}: token ids must be >= 0 (or {UNKNOWN_TOKEN} = unknown), got {min(out)}")
+        out = [check_index(f"{name}[{i}]", t, lo=UNKNOWN_TOKEN, hi=MAX_TOKEN_ID) for i, t in enumerate(out)]
+    elif out and (min(out) < UNKNOWN_TOKEN or max(out) > MAX_TOKEN_ID):
+        bad = min(out) if min(out) < UNKNOWN_TOKEN else max(out)
+        raise InvalidArgumentError(
+            f"{name}: token ids must lie in [0, 2**63) (or be {UNKNOWN_TOKEN} = unknown), got {bad}"
+        )
     return out
 
 

@@ -251,7 +251,7 @@ class SequenceCache:
                 f"key/value must be [kv_heads, tokens, head_dim], got {tuple(key.shape)} and {tuple(value.shape)}"
             )
         n = key.shape[1]
-        self.pool.check_kv(key.transpose(0, 1), value.transpose(0, 1))  # before anything is reserved
+        self.pool.check_kv(key.transpose(0, 1), value.transpose(0, 1), layer=layer)  # before anything is reserved
         with self._lock:
             start = self.layer_tokens[layer]
             beyond = start + n - self.num_tokens

@@ -94,17 +94,23 @@ class PagedKV:
         need no computing."""
         token_ids = check_token_ids("token_ids", token_ids)  # before anything is created
         seq = self.new_sequence(cache_salt)
-        if self.prefix_cache is not None:
+        if self.prefix_cache is None:
+            return seq
+        try:
             blocks = self.prefix_cache.lookup(token_ids, cache_salt)
+        except BaseException:
+            seq.free()  # no sequence is left behind by a failed start
+            raise
+        try:
             if self.tier_manager is not None:  # continue the prefix from the tiers below the device
-                try:
-                    self.tier_manager.touch(blocks)
-                    blocks = blocks + self.tier_manager.extend_prefix(token_ids, cache_salt, blocks)
-                except BaseException:
-                    self.allocator.free_many(blocks)  # the lookup's references, then the empty sequence
-                    seq.free()
-                    raise
+                self.tier_manager.touch(blocks)
+                blocks = blocks + self.tier_manager.extend_prefix(token_ids, cache_salt, blocks)
             seq.adopt_prefix(blocks, token_ids)
+        except BaseException:
+            if not seq.block_table:  # adopt_prefix did not take them: the lookup's references are still ours
+                self.allocator.free_many(blocks)
+            seq.free()
+            raise
         return seq
 
     def check(self) -> None:

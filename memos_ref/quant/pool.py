@@ -37,6 +37,7 @@ import torch
 
 from memos_ref.errors import (
     ConfigError,
+    InvalidArgumentError,
     ShapeError,
     StagingFullError,
     check_type,
@@ -224,13 +225,16 @@ class QuantizedBlockPool:
             self._staging_free.append(slot)
 
     # ------------------------------------------------------------------ writes
-    def check_kv(self, key: torch.Tensor, value: torch.Tensor) -> None:
+    def check_kv(self, key: torch.Tensor, value: torch.Tensor, layer: int | None = None) -> None:
+        """Reject K/V ``[n, H, D]`` this pool cannot store: shape, dtype, device, and values it cannot encode
+        (non-finite; beyond an int8 per-token scale), naming ``layer`` where given."""
         check_kv(self.spec, self.device, key, value)
+        self._check_values(layer, key, value)
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store one layer's K/V ``[n, H, D]`` at ``slots [n]`` (slot = block · T + offset; -1 skips)."""
         layer = check_layer(self.spec, layer)
-        self.check_kv(key, value)
+        self.check_kv(key, value, layer)  # before anything is written
         slots = check_slots(slots, key.shape[0], self.num_blocks, self.spec.block_size)
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
@@ -269,6 +273,21 @@ class QuantizedBlockPool:
                 self.payload["codes"][blocks, layer, kv, :, offsets] = scaled.round().clamp(-127, 127).to(torch.int8)
             else:
                 self._write_fp8(layer, kv, blocks, offsets, x)
+
+    def _check_values(self, layer: int | None, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Refuse K/V this pool cannot encode (:class:`InvalidArgumentError`): a non-finite value would poison the
+        scale it shares with other tokens (fp8: every token of the block decodes to NaN), and per-token int8
+        cannot scale an absmax beyond 127 · 65504."""
+        where = "" if layer is None else f"layer {layer} "
+        for what, x in ((f"{where}key", key), (f"{where}value", value)):
+            if not bool(torch.isfinite(x).all()):
+                bad = x[~torch.isfinite(x)].flatten()[0].item()
+                raise InvalidArgumentError(
+                    f"{what}: found a non-finite value ({bad}); a {self.scheme.name} pool stores "
+                    f"only finite K/V — check the model's numerics (nothing was written)"
+                )
+            if isinstance(self.scheme, PerTokenInt8):
+                PerTokenInt8.check_range(x, what)
 
     def _write_fp8(self, layer: int, kv: int, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> None:
         """fp8 with a per-(block, head) scale that grows when a new token needs more range."""

@@ -198,9 +198,24 @@ class PerTokenInt8(Quantizer):
         """fp16 scales ``[..., T]`` (absmax over channels / 127); quantize with exactly these."""
         return (x.float().abs().amax(-1) / 127.0).clamp(min=_TINY).to(torch.float16).clamp(min=2**-24)
 
+    #: Largest ``|x|`` a token may hold: its fp16 scale ``absmax / 127`` must stay finite (fp16 max is 65504).
+    MAX_ABS = 127.0 * 65504.0
+
+    @staticmethod
+    def check_range(x: torch.Tensor, what: str = "x") -> None:
+        """Refuse ``x`` (:class:`InvalidArgumentError`) where a value is non-finite or beyond :attr:`MAX_ABS`:
+        its per-token fp16 scale would overflow to inf and the token would read back as NaN."""
+        amax = x.detach().float().abs().amax() if x.numel() else torch.zeros(())
+        if not bool(torch.isfinite(amax)) or float(amax) > PerTokenInt8.MAX_ABS:
+            raise InvalidArgumentError(
+                f"{what}: absmax {float(amax):.6g} exceeds what a fp16 per-token int8 scale can represent "
+                f"(127 * 65504 = {PerTokenInt8.MAX_ABS:.0f}); use an fp16/fp32 cache or another scheme"
+            )
+
     def quantize(self, x: torch.Tensor, kind: str = "key") -> QTensor:
         _check(x)
         _check_kind(kind)
+        self.check_range(x, kind)
         scale = self.scales(x)  # [H, T]
         data = (x.float() / scale.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
         return QTensor(data, scale, shape=tuple(x.shape))

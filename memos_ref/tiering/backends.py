@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import math
 import os
 import re
 import secrets
@@ -34,7 +33,14 @@ from typing import Any
 import torch
 
 from memos_ref.errors import ArgumentTypeError, ConfigError, check_type
-from memos_ref.resilient import DEFAULT_FAILURE_THRESHOLD, DEFAULT_TIMEOUT_S, ResilientRedis, ttl_to_px, validate_ttl
+from memos_ref.resilient import (
+    DEFAULT_FAILURE_THRESHOLD,
+    DEFAULT_TIMEOUT_S,
+    ResilientRedis,
+    check_seconds,
+    ttl_to_px,
+    validate_ttl,
+)
 
 __all__ = ["DiskBackend", "HostMemoryBackend", "RedisTierBackend", "TierBackend", "validate_block_key"]
 
@@ -158,9 +164,11 @@ class _BudgetLRU(TierBackend):
         self.counts["puts"] += 1
 
     def _make_room(self, need: int, keep: str) -> None:
-        while self._used + need > self.budget_bytes and self._sizes:
-            victim = next(iter(self._sizes))
-            if victim == keep:
+        """Evict least recently used entries other than ``keep`` (the key being replaced, whose old size is
+        still counted) until ``need`` more bytes fit."""
+        while self._used + need > self.budget_bytes:
+            victim = next((k for k in self._sizes if k != keep), None)
+            if victim is None:
                 break
             if self.on_evict is not None:
                 data = self._peek(victim)
@@ -317,10 +325,7 @@ class DiskBackend(_BudgetLRU):
     ) -> None:
         check_type("root", root, (str, os.PathLike))
         super().__init__(budget_bytes, max_item_bytes)
-        check_type("stale_tmp_s", stale_tmp_s, (int, float))
-        if not math.isfinite(stale_tmp_s) or stale_tmp_s < 0:
-            raise ConfigError(f"stale_tmp_s must be finite and >= 0, got {stale_tmp_s!r}")
-        self.stale_tmp_s = float(stale_tmp_s)
+        self.stale_tmp_s = check_seconds("stale_tmp_s", stale_tmp_s, allow_zero=True)
         try:
             Path(root).mkdir(parents=True, exist_ok=True)
             self.root = Path(root).resolve(strict=True)
