@@ -271,12 +271,13 @@ class KVSpec:
                     f"config has no explicit head_dim"
                 )
             head_dim = hidden // q_heads
+        explicit = dtype is not None  # the caller's storage choice (edge sizing of an INT8 KV cache): kept
         if dtype is None:
             dtype = model_dtype or pick("dtype", "torch_dtype") or torch.get_default_dtype()
             if not isinstance(dtype, (str, torch.dtype)):
                 raise ConfigError(f"config has dtype = {dtype!r}: expected a dtype name or torch.dtype")
         kv_dtype = dtype_from_name(dtype)
-        if not kv_dtype.is_floating_point:
+        if not explicit and not kv_dtype.is_floating_point:
             raise ConfigError(
                 f"KV dtype {kv_dtype} is not a floating dtype: K/V are the model's activations; pass "
                 f"dtype='float32' / 'bfloat16' / 'float16' (quantize with a quantized pool instead)"

@@ -346,8 +346,9 @@ def test_odd_config_values_raise_config_error(changes, match):
             KVSpec.from_hf_config({**_GOOD, **changes}, block_size=8)
 
 
-def test_an_explicit_non_float_kv_dtype_is_refused_and_a_float_one_kept():
-    with pytest.raises(ConfigError, match="floating"):
-        KVSpec.from_hf_config(_GOOD, dtype="uint8")
+def test_an_explicit_kv_dtype_is_kept_and_overrides_the_config():
+    """A config's dtype is the model's activations (must be floating); an explicit ``dtype=`` is the caller's
+    storage choice — the edge planner sizes TensorRT-LLM's INT8 KV cache with ``dtype=torch.int8``."""
+    assert KVSpec.from_hf_config(_GOOD, dtype=torch.int8).dtype == torch.int8
     assert KVSpec.from_hf_config({**_GOOD, "torch_dtype": torch.int8}, dtype="bfloat16").dtype == torch.bfloat16
     assert KVSpec.from_hf_config({**_GOOD, "sliding_window": 0}).num_kv_heads == 4  # 0 = no window, no GQA
