@@ -211,6 +211,8 @@ class KVSpec:
         ``dtype``: the ``dtype`` argument if given; else, for a model, the dtype of its parameters; else the
         config's ``dtype`` (or ``torch_dtype``); else ``torch.get_default_dtype()`` — what a model built from
         the config has (a config made in code has no dtype). Pass the model, or ``dtype=model.dtype``, to be sure.
+        A dtype read from the config or model must be floating (the activations'); an explicit ``dtype`` is the
+        storage the caller chose and is kept (``torch.int8`` sizes an INT8 KV cache, as the edge planner does).
 
         Raises :class:`UnsupportedModelError` for multi-head latent attention (DeepSeek-V2/V3: K and V widths
         differ) and for hybrid linear-attention / state-space models (Qwen3-Next, Jamba, ...), and
