@@ -76,6 +76,25 @@ MODELS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     ),
+    # SmolLM2-135M-Instruct (Apache-2.0), the package's real model (memos_ref.model.load_pretrained): the fields
+    # of its config.json (tests/test_real_edge.py checks them against the converted folder). Tied embeddings;
+    # head_dim 64 = 576 / 9; 30 x 2 x 3 x 64 x 2 bytes = 23,040 bytes of fp16 KV per token.
+    "smollm2-135m-instruct": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    ),
     "qwen2.5-7b": dict(
         architectures=["Qwen2ForCausalLM"],
         model_type="qwen2",

@@ -1,12 +1,14 @@
 """Memory planner for a Jetson Orin: how much KV fits, in what blocks, and how fast decode can be at best.
 
 ``python -m memos_edge.plan --model llama-2-7b --device orin-nx-16gb --weights int4 --kv-dtype fp16 [--json]``
+``python -m memos_edge.plan --model smollm2-135m-instruct --device orin-nano-8gb --weights fp16``
 
 The accounting, all in bytes (GiB = 2³⁰):
 
 * **weights**: parameters × bytes per parameter — fp16 2, int8 1 (+ an fp16 scale per output channel), int4
   0.5 + an fp16 scale per group of 128 (GPTQ/AWQ) — with the token embedding kept in fp16 (TensorRT-LLM's
-  weight-only modes quantize the linear layers);
+  weight-only modes quantize the linear layers); a model with tied embeddings (SmolLM2) also carries an fp16
+  ``lm_head`` copy of the embedding, as TensorRT-LLM's converter and this package's export write one;
 * **free** = module memory − the OS and CUDA context (``os_reserve_gib``, default 2.0: Orin's memory is shared
   with the CPU) − weights − the runtime (``runtime_gib``, default 1.5: engine, activations, workspace);
 * **KV budget** = ``kv_fraction`` × free (0.9: TensorRT-LLM's ``kv_cache_free_gpu_memory_fraction`` default);
@@ -27,7 +29,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from memos_edge.devices import PROFILES, OrinProfile, get_profile, model_config
+from memos_edge.devices import MODELS, PROFILES, OrinProfile, get_profile, model_config
 
 from memos_ref.errors import ConfigError
 from memos_ref.spec import KVSpec
@@ -69,7 +71,11 @@ def weight_bytes(cfg: dict[str, Any], weights: str) -> int:
     elif weights == "int8":
         per += 2 / cfg["hidden_size"]  # an fp16 scale per output channel
     quantized = p["linear"] + p["lm_head"]
-    return math.ceil(quantized * per + (p["embedding"] + p["norms"]) * 2)
+    # A tied head is still its own tensor in the engine: TensorRT-LLM's Llama converter writes lm_head.weight as
+    # a copy of the embedding when tie_word_embeddings is set (tensorrt_llm/models/llama/convert.py, "lm_head.weight
+    # has the same weights as embedding"), and so does memos_edge.export_trtllm; weight-only modes leave it fp16.
+    tied_head = p["embedding"] if cfg.get("tie_word_embeddings") else 0
+    return math.ceil(quantized * per + (p["embedding"] + p["norms"] + tied_head) * 2)
 
 
 def tokens_per_block_for(spec: KVSpec, target_bytes: int = MIB) -> tuple[int, str]:
@@ -100,6 +106,7 @@ class Plan:
     kv_budget_bytes: int
     tokens_per_block: int
     granularity: str
+    kv_bytes_per_token: int  # all layers, K and V: L·2·H·D·bytes
     kernel_page_bytes: int  # one K (or V) page of one layer and head group: H·T·D·bytes
     layer_slab_bytes: int  # K+V of one layer: 2·H·T·D·bytes
     block_bytes: int  # all layers: L·slab
@@ -167,6 +174,7 @@ def plan(
         kv_budget_bytes=budget,
         tokens_per_block=t,
         granularity=why,
+        kv_bytes_per_token=kv_per_token,
         kernel_page_bytes=spec.num_kv_heads * t * spec.head_dim * spec.dtype.itemsize,
         layer_slab_bytes=slab,
         block_bytes=block,
@@ -184,7 +192,8 @@ def human(p: Plan) -> str:
         f"{p.weight_bytes / GIB:.2f} GiB, KV {p.kv_dtype}",
         f"free after OS {p.os_reserve_bytes / GIB:.1f} GiB, weights and runtime {p.runtime_bytes / GIB:.1f} GiB: "
         f"{p.free_bytes / GIB:.2f} GiB; KV budget {p.kv_budget_bytes / GIB:.2f} GiB",
-        f"tokens_per_block {p.tokens_per_block} ({p.granularity}; L2 is {p.l2_mib:g} MiB); whole block "
+        f"KV {p.kv_bytes_per_token:,} bytes per token; tokens_per_block {p.tokens_per_block} ({p.granularity}; "
+        f"L2 is {p.l2_mib:g} MiB); whole block "
         f"{p.block_bytes / MIB:.2f} MiB; {p.blocks} blocks = {p.kv_tokens:,} tokens",
         "largest context by batch: " + ", ".join(f"{b}×{c:,}" for b, c in p.max_context_by_batch.items()),
         "decode bound (tokens/s): " + ", ".join(f"{k} {v}" for k, v in p.decode_tokens_per_s_bound.items()),
@@ -194,7 +203,11 @@ def human(p: Plan) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memos_edge.plan", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="a known name, a model folder, or a config.json")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help=f"a known name ({', '.join(sorted(MODELS))}), a model folder, or a config.json",
+    )
     parser.add_argument("--device", required=True, choices=sorted(PROFILES))
     parser.add_argument("--kv-dtype", default="fp16", choices=sorted(KV_BYTES))
     parser.add_argument("--weights", default="int4", choices=sorted(WEIGHT_BYTES))
