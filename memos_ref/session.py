@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
+from memos_ref.chat import ByteCodec, ChatCodec, tool_lines
 from memos_ref.errors import (
     ArgumentTypeError,
     ConfigError,
@@ -50,7 +51,6 @@ from memos_ref.errors import (
 )
 from memos_ref.hf import PagedCache
 from memos_ref.model.identity import fingerprint as model_identity
-from memos_ref.model.tokenizer import ByteTokenizer
 from memos_ref.paged.store import PagedKV
 from memos_ref.spec import KVSpec
 
@@ -68,18 +68,6 @@ class SegmentKind(StrEnum):
     TOOL_CALL = "tool_call"
     TOOL_RESULT = "tool_result"
     SUMMARY = "summary"
-
-
-_MARKER = {
-    SegmentKind.SYSTEM: "<|system|>",
-    SegmentKind.TOOLS: "<|tool|>",
-    SegmentKind.MEMORY: "<|memory|>",
-    SegmentKind.USER: "<|user|>",
-    SegmentKind.ASSISTANT: "<|assistant|>",
-    SegmentKind.TOOL_CALL: "<|tool|>",
-    SegmentKind.TOOL_RESULT: "<|tool|>",
-    SegmentKind.SUMMARY: "<|system|>",
-}
 
 
 @dataclass(frozen=True)
@@ -103,11 +91,13 @@ class Memory:
     token_ids: tuple[int, ...]
     segments: tuple[Segment, ...]
     cache: PagedCache
+    messages: tuple[dict[str, Any], ...] = ()  # the chat history its segments render (a chat codec's)
 
 
-def tool_set_key(tools: list[str]) -> str:
-    """Order-independent id of a tool set (tool sets are shared across sessions by this key)."""
-    return hashlib.sha256("\x00".join(sorted(tools)).encode()).hexdigest()[:12]
+def tool_set_key(tools: list[Any]) -> str:
+    """Order-independent id of a tool set (tool sets are shared across sessions by this key); a tool is a
+    string or a JSON-schema dict (keyed by its sorted-key JSON)."""
+    return hashlib.sha256("\x00".join(tool_lines(tools)).encode()).hexdigest()[:12]
 
 
 #: Largest session manifest read (bytes): room for about four million token ids.
@@ -274,9 +264,21 @@ class SessionManager:
         model: a :class:`~memos_ref.model.llama.LlamaForward`.
         num_blocks: pool size in blocks (block size 16).
         fingerprint: model fingerprint for prefix hashing and saved files (default: computed from the weights).
+        tokenizer: ``None`` for the shipped byte-level model (its marker tokens); for a real chat model, its
+            transformers tokenizer (or a :class:`~memos_ref.chat.ChatCodec`): segments are then rendered
+            through the model's chat template, one message each, with exact token boundaries, and replies stop
+            at the end-of-turn token (see :mod:`memos_ref.chat`).
     """
 
-    def __init__(self, model: Any, num_blocks: int = 1024, *, block_size: int = 16, fingerprint: str | None = None):
+    def __init__(
+        self,
+        model: Any,
+        num_blocks: int = 1024,
+        *,
+        block_size: int = 16,
+        fingerprint: str | None = None,
+        tokenizer: Any = None,
+    ):
         if not callable(getattr(model, "kv_spec", None)) or not _is_int(getattr(model.config, "vocab_size", None)):
             raise ArgumentTypeError(
                 f"model: expected the package's LlamaForward (memos_ref.model.load_model()), got {type(model).__name__}"
@@ -286,7 +288,8 @@ class SessionManager:
         check_type("fingerprint", fingerprint, (str, type(None)))
         self.model = model
         self.vocab_size: int = model.config.vocab_size
-        self.tok = ByteTokenizer()
+        self.codec: ByteCodec | ChatCodec = _codec(tokenizer, self.vocab_size)
+        self.tok: Any = self.codec.tok  # the ByteTokenizer, or the transformers tokenizer
         if fingerprint is None:
             fingerprint = self.fingerprint_of(model)
         self.fingerprint = fingerprint
@@ -322,7 +325,7 @@ class SessionManager:
         return self.tiering
 
     def _pin_system_prompt(self, key: tuple[str, str]) -> None:
-        ids = [self.tok.bos_id, *self._encode(SegmentKind.SYSTEM, self.system_prompts[key])]
+        ids = [*self.codec.prefix_ids(), *self._encode(SegmentKind.SYSTEM, self.system_prompts[key])]
         hashes = self.kv.prefix_cache.hashes(ids)
         self.tiering.pin(hashes)
         self.tiering.label(hashes, "system")
@@ -374,8 +377,9 @@ class SessionManager:
             if self.tiering is not None:
                 self._pin_system_prompt(key)
 
-    def _encode(self, kind: SegmentKind, text: str) -> list[int]:
-        return [self.tok.special_to_id[_MARKER[kind]], *self.tok.encode(text)]
+    def _encode(self, kind: SegmentKind, text: str, history: list[dict[str, Any]] | None = None) -> list[int]:
+        """The tokens of a segment after ``history`` (the chat messages before it; the byte codec ignores it)."""
+        return self.codec.segment_ids(str(kind), text, history or [])
 
     def new_session(
         self,
@@ -395,49 +399,77 @@ class SessionManager:
                 )
             if system or tools:
                 raise ConfigError("a session started from memories takes its prefix from them")
-            session = CacheSession(self, base.cache.fork(), list(base.token_ids), list(base.segments))
+            session = CacheSession(
+                self, base.cache.fork(), list(base.token_ids), list(base.segments), list(base.messages)
+            )
             session.prefill_reused = len(base.token_ids)
             return session
+        if system is not None and system not in self.system_prompts:
+            raise ConfigError(f"system prompt {system} is not registered: {sorted(self.system_prompts)}")
         session = CacheSession(self, None, [], [])
-        ids: list[int] = [self.tok.bos_id]
+        ids: list[int] = self.codec.prefix_ids()
         plan: list[tuple[SegmentKind, str, list[int]]] = []
+        messages: list[dict[str, Any]] = []
+        parts = []
         if system is not None:
-            if system not in self.system_prompts:
-                raise ConfigError(f"system prompt {system} is not registered: {sorted(self.system_prompts)}")
-            plan.append(
-                (
-                    SegmentKind.SYSTEM,
-                    f"{system[0]}@{system[1]}",
-                    self._encode(SegmentKind.SYSTEM, self.system_prompts[system]),
-                )
-            )
+            parts.append((SegmentKind.SYSTEM, f"{system[0]}@{system[1]}", self.system_prompts[system]))
         if tools:
-            plan.append(
-                (SegmentKind.TOOLS, tool_set_key(tools), self._encode(SegmentKind.TOOLS, "\n".join(sorted(tools))))
-            )
+            parts.append((SegmentKind.TOOLS, tool_set_key(tools), self.codec.tools_text(tools)))
+        for kind, seg_id, text in parts:
+            plan.append((kind, seg_id, self._encode(kind, text, messages)))
+            messages.append(self.codec.message(str(kind), text))
         for _, _, seg_ids in plan:
             ids.extend(seg_ids)
-        session._prefill(ids, plan)
+        if ids:  # a chat session with neither system prompt nor tools starts empty
+            session._prefill(ids, plan, messages)
         return session
 
-    def build_memory(self, name: str, text: str, after: Memory | None = None) -> Memory:
-        """Compute a memory's KV once (after ``after``'s, when memories are meant to be used together)."""
+    def build_memory(
+        self,
+        name: str,
+        text: str,
+        after: Memory | None = None,
+        *,
+        system: tuple[str, str] | None = None,
+        tools: list[Any] | None = None,
+    ) -> Memory:
+        """Compute a memory's KV once (after ``after``'s, when memories are meant to be used together).
+
+        ``system`` / ``tools`` put a registered system prompt and a tool set before the first memory (their
+        blocks are shared with every other session that has them, through the prefix cache); sessions started
+        from the memory then have them too. A memory built ``after`` another takes its prefix from it."""
         check_type("name", name, str)
         check_type("text", text, str)
         check_type("after", after, (Memory, type(None)))
+        _check_new_session_args(system, tools, None)
         with self._lock:
             if name in self.memories:
                 raise ConfigError(f"a memory named {name!r} already exists")
-            if after is None:
+            if after is not None and (system is not None or tools):
+                raise ConfigError("a memory built after another takes its system prompt and tools from it")
+            if system is not None and system not in self.system_prompts:
+                raise ConfigError(f"system prompt {system} is not registered: {sorted(self.system_prompts)}")
+            if after is None and system is None and not tools:
+                ids = self._encode(SegmentKind.MEMORY, text)
                 session = CacheSession(self, None, [], [])
                 session._prefill(
-                    [self.tok.bos_id, *self._encode(SegmentKind.MEMORY, text)],
-                    [(SegmentKind.MEMORY, name, self._encode(SegmentKind.MEMORY, text))],
+                    [*self.codec.prefix_ids(), *ids],
+                    [(SegmentKind.MEMORY, name, ids)],
+                    [self.codec.message("memory", text)],
                 )
             else:
-                session = self.new_session(memories=[*self._memories_of(after), after])
-                session.append(SegmentKind.MEMORY, name, text)
-            memory = Memory(name, tuple(session.token_ids), tuple(session.segment_list), session.cache)
+                if after is None:
+                    session = self.new_session(system, tools)
+                else:
+                    session = self.new_session(memories=[*self._memories_of(after), after])
+                try:
+                    session.append(SegmentKind.MEMORY, name, text)
+                except BaseException:
+                    session.close()
+                    raise
+            memory = Memory(
+                name, tuple(session.token_ids), tuple(session.segment_list), session.cache, tuple(session.messages)
+            )
             self.memories[name] = memory
             return memory
 
@@ -482,10 +514,25 @@ class SessionManager:
         except BaseException:
             cache.free()  # roll back: nothing of a failed load stays allocated
             raise
-        return CacheSession(self, cache, list(tokens), manifest["segments"])
+        # a chat history known by roles only: enough for the template to render what comes next
+        messages = [self.codec.message(str(seg.kind), "") for seg in manifest["segments"]]
+        return CacheSession(self, cache, list(tokens), manifest["segments"], messages)
 
     def stats(self) -> dict[str, Any]:
         return self.kv.stats()
+
+
+def _codec(tokenizer: Any, vocab_size: int) -> ByteCodec | ChatCodec:
+    """The codec for ``tokenizer``: the byte codec for ``None``, else a chat codec whose ids fit the model."""
+    if tokenizer is None:
+        return ByteCodec()
+    codec = tokenizer if isinstance(tokenizer, (ByteCodec, ChatCodec)) else ChatCodec(tokenizer)
+    size = len(codec.tok)
+    if size > vocab_size:
+        raise ConfigError(
+            f"tokenizer has {size} tokens but the model's vocabulary is {vocab_size}: use the model's own tokenizer"
+        )
+    return codec
 
 
 def _segment_kind(kind: Any) -> SegmentKind:
@@ -502,7 +549,7 @@ def _check_new_session_args(system: Any, tools: Any, memories: Any) -> None:
         raise ArgumentTypeError(f"system: expected a (name, version) tuple of two str, got {system!r:.80}")
     check_type("tools", tools, (list, tuple, type(None)))
     for i, tool in enumerate(tools or ()):
-        check_type(f"tools[{i}]", tool, str)
+        check_type(f"tools[{i}]", tool, (str, dict))
     check_type("memories", memories, (list, tuple, type(None)))
     for i, memory in enumerate(memories or ()):
         check_type(f"memories[{i}]", memory, Memory)
@@ -512,12 +559,19 @@ class CacheSession:
     """One agent conversation: a paged cache, its tokens, and the segments that say what they are."""
 
     def __init__(
-        self, manager: SessionManager, cache: PagedCache | None, token_ids: list[int], segments: list[Segment]
+        self,
+        manager: SessionManager,
+        cache: PagedCache | None,
+        token_ids: list[int],
+        segments: list[Segment],
+        messages: list[dict[str, Any]] | None = None,
     ):
         self.manager = manager
         self.cache = cache if cache is not None else PagedCache(manager.kv)
         self.token_ids = token_ids
         self.segment_list = segments  # the Segment objects, in order; segments() describes them
+        self.messages: list[dict[str, Any]] = messages if messages is not None else []  # one per segment
+        self.last_reply: dict[str, Any] = {}  # prompt_tokens, new_tokens, ttft_s, stopped of the last generate()
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.prefill_computed = 0  # tokens actually run through the model
         self.prefill_reused = 0  # tokens taken from the prefix cache or a memory
@@ -596,13 +650,17 @@ class CacheSession:
             raise
         return hit, reused
 
-    def _prefill(self, ids: list[int], plan: list[tuple[SegmentKind, str, list[int]]]) -> None:
-        """Fill an empty session with ``ids`` (BOS + planned segments), reusing cached prefix blocks."""
+    def _prefill(
+        self, ids: list[int], plan: list[tuple[SegmentKind, str, list[int]]], messages: list[dict[str, Any]]
+    ) -> None:
+        """Fill an empty session with ``ids`` (the codec's prefix, e.g. BOS, + planned segments), reusing cached
+        prefix blocks; ``messages`` is the chat history the segments render."""
         hit, reused = self._build(ids)
         self.cache.free()
         self.cache = hit
         self.token_ids = list(ids)
-        pos = 1
+        self.messages = list(messages)
+        pos = len(ids) - sum(len(seg_ids) for _, _, seg_ids in plan)
         for kind, seg_id, seg_ids in plan:
             self.segment_list.append(Segment(kind, seg_id, pos, pos + len(seg_ids)))
             pos += len(seg_ids)
@@ -642,9 +700,13 @@ class CacheSession:
         return self._with_room(lambda: self._append(kind, seg_id, text))
 
     def _append(self, kind: SegmentKind, seg_id: str, text: str) -> Segment:
-        ids = self.manager._encode(SegmentKind(kind), text)
         with self._lock, torch.no_grad():  # held from the resume check to the end: nobody suspends us midway
             self._check_open()
+            ids = self.manager._encode(SegmentKind(kind), text, self.messages)
+            message = self.manager.codec.message(str(kind), text)
+            if not self.token_ids:  # an empty chat session: its first segment may come from the prefix cache
+                self._prefill(ids, [(SegmentKind(kind), seg_id, ids)], [message])
+                return self.segment_list[-1]
             start = len(self.token_ids)
             try:
                 self.manager.model(torch.tensor([ids]), self.cache)
@@ -655,38 +717,62 @@ class CacheSession:
             self.cache.set_token_ids(torch.tensor([self.token_ids]))
             segment = Segment(SegmentKind(kind), seg_id, start, start + len(ids))
             self.segment_list.append(segment)
+            self.messages.append(message)
             self.prefill_computed += len(ids)
             return segment
 
     def generate(self, max_new_tokens: int, seg_id: str = "reply") -> str:
-        """Greedy continuation as an assistant turn; returns its text."""
+        """Greedy continuation as an assistant turn; returns its text.
+
+        With a chat codec the reply starts with the template's generation prompt, stops at the end-of-turn token
+        (or after ``max_new_tokens``) and is closed as the template renders an assistant message, so the session
+        holds exactly the rendered conversation; the returned text has no special tokens. ``last_reply`` records
+        the prompt length, the new tokens, whether a stop token ended it, and the time to the first token."""
         check_index("max_new_tokens", max_new_tokens, lo=0)
         check_type("seg_id", seg_id, str)
         self._refuse_closed()
         return self._with_room(lambda: self._generate(max_new_tokens, seg_id))
 
     def _generate(self, max_new_tokens: int, seg_id: str) -> str:
+        codec, model = self.manager.codec, self.manager.model
         with self._lock, torch.no_grad():
+            started = time.perf_counter()
             self._check_open()
-            marker = self.manager._encode(SegmentKind.ASSISTANT, "")
+            marker = codec.reply_prefix_ids(self.messages)
             start = len(self.token_ids)
             new: list[int] = []
+            ttft, stopped = None, False
             try:
-                logits = self.manager.model(torch.tensor([marker]), self.cache)
+                logits = model(torch.tensor([marker]), self.cache)
                 for i in range(max_new_tokens):
                     nxt = int(logits[0, -1].argmax())
                     new.append(nxt)
+                    ttft = time.perf_counter() - started if ttft is None else ttft
+                    stopped = nxt in codec.stop_ids
+                    if stopped:
+                        break
                     if i + 1 < max_new_tokens:
-                        logits = self.manager.model(torch.tensor([[nxt]]), self.cache)
-                if new:  # the last generated token is not yet in the cache: feed it so the session is complete
-                    self.manager.model(torch.tensor([[new[-1]]]), self.cache)
+                        logits = model(torch.tensor([[nxt]]), self.cache)
+                content = codec.decode(new[:-1] if stopped else new)
+                close = codec.reply_suffix_ids(self.messages, content, stopped)
+                # the last generated token is not yet in the cache: feed it (and the turn's closing tokens)
+                tail = new[-1:] + close
+                if tail:
+                    model(torch.tensor([tail]), self.cache)
             except Exception:
                 self._rollback()  # the session stays as it was before the call
                 raise
-            self.token_ids.extend(marker + new)
+            self.token_ids.extend(marker + new + close)
             self.cache.set_token_ids(torch.tensor([self.token_ids]))
             self.segment_list.append(Segment(SegmentKind.ASSISTANT, seg_id, start, len(self.token_ids)))
-            return self.manager.tok.decode(new)
+            self.messages.append(codec.message("assistant", content))
+            self.last_reply = {
+                "prompt_tokens": start + len(marker),
+                "new_tokens": len(new),
+                "stopped": stopped,
+                "ttft_s": ttft,
+            }
+            return content
 
     # ------------------------------------------------------------------ agent operations
     def fork(self, n: int = 1) -> list[CacheSession]:
@@ -695,7 +781,9 @@ class CacheSession:
         with self._lock:
             self._check_open()
             return [
-                CacheSession(self.manager, self.cache.fork(), list(self.token_ids), list(self.segment_list))
+                CacheSession(
+                    self.manager, self.cache.fork(), list(self.token_ids), list(self.segment_list), list(self.messages)
+                )
                 for _ in range(n)
             ]
 
@@ -715,14 +803,15 @@ class CacheSession:
                 if s.kind not in (SegmentKind.SYSTEM, SegmentKind.TOOLS, SegmentKind.MEMORY):
                     break
                 keep.append(s)
-            stop = keep[-1].stop if keep else 1
-            summary_ids = self.manager._encode(SegmentKind.SUMMARY, summary_text)
+            stop = keep[-1].stop if keep else len(self.manager.codec.prefix_ids())
+            kept_messages = self.messages[: len(keep)]
+            summary_ids = self.manager._encode(SegmentKind.SUMMARY, summary_text, kept_messages)
             ids = self.token_ids[:stop] + summary_ids
             fresh = CacheSession(self.manager, None, [], [])
             plan = [(s.kind, s.seg_id, self.token_ids[s.start : s.stop]) for s in keep]
             plan.append((SegmentKind.SUMMARY, "summary", summary_ids))
             before = self.manager.kv.allocator.num_active
-            fresh._prefill(ids, plan)
+            fresh._prefill(ids, plan, [*kept_messages, self.manager.codec.message("summary", summary_text)])
             self.events.append(
                 (
                     "compact_built",
@@ -735,6 +824,7 @@ class CacheSession:
             )
             old = self.cache
             self.cache, self.token_ids, self.segment_list = fresh.cache, fresh.token_ids, fresh.segment_list
+            self.messages = fresh.messages
             self.events.append(("switched", {"tokens": len(self.token_ids), "time": time.perf_counter()}))
             released = sum(seq.num_blocks for seq in old.sequences)
             old.free()
@@ -770,6 +860,15 @@ class CacheSession:
             if self.suspended:
                 self._check_open()
             return self._segments()
+
+    def blocks_shared(self) -> int:
+        """How many of this session's blocks another sequence holds too (refcount above one)."""
+        with self._lock:
+            self._refuse_closed()
+            if self.suspended or not self.cache.sequences:
+                return 0
+            refcount = self.manager.kv.allocator.refcount
+            return sum(1 for block in set(self.cache.sequences[0].block_table) if refcount[block] > 1)
 
     def _segments(self) -> list[dict[str, Any]]:
         seq = self.cache.sequences[0]
