@@ -15,10 +15,12 @@ __all__ = ["compile_all"]
 
 
 def compile_all(capability: int) -> dict[str, list[str]]:
+    """Compile every kernel of every kernel file (their ``KERNELS`` tuples) for ``sm_<capability>``; returns
+    each case's compiled stages (``ttir`` ... ``cubin``). A kernel with no case here is an error."""
     if os.environ.get("TRITON_INTERPRET"):
         raise RuntimeError("unset TRITON_INTERPRET: ahead-of-time compilation needs the real compiler")
     import triton
-    from memos_kernels import triton_paged as tp
+    from memos_kernels import copy_blocks, kivi_decode, paged_decode, paged_prefill, write_kv
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -27,22 +29,34 @@ def compile_all(capability: int) -> dict[str, list[str]]:
     f32s = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"}  # the split-K partials
     # kernel, pointer dtypes (default *fp16), constexprs
     cases: dict[str, tuple] = {
-        "decode_fp16": (tp._decode_split_kernel, f32s, {**d16, "QUANT": 0}),
-        "decode_int8": (tp._decode_split_kernel, {**f32s, "kc_ptr": "*i8", "vc_ptr": "*i8"}, {**d16, "QUANT": 1}),
-        "decode_reduce": (tp._decode_reduce_kernel, f32s, dict(G=4, GP=4, D=128)),
+        "decode_fp16": (paged_decode.decode_split_kernel, f32s, {**d16, "QUANT": 0}),
+        "decode_int8": (
+            paged_decode.decode_split_kernel,
+            {**f32s, "kc_ptr": "*i8", "vc_ptr": "*i8"},
+            {**d16, "QUANT": 1},
+        ),
+        "decode_reduce": (paged_decode.decode_reduce_kernel, f32s, dict(G=4, GP=4, D=128)),
         "decode_kivi4": (
-            tp._decode_kivi_split_kernel,
+            kivi_decode.decode_kivi_split_kernel,
             {**f32s, "kc_ptr": "*u8", "vc_ptr": "*u8"},
             {**d16, "T": 32, "BITS": 4, "GK": 32, "GV": 32},
         ),
-        "write_kv": (tp._write_kv_kernel, {}, dict(T=16, D=128)),
-        "write_kv_int8": (tp._write_kv_int8_kernel, {"kc_ptr": "*i8", "vc_ptr": "*i8"}, dict(T=16, D=128)),
-        "copy_blocks": (tp._copy_blocks_kernel, {}, {"CHUNK": 1024}),
+        "write_kv": (write_kv.write_kv_kernel, {}, dict(T=16, D=128)),
+        "write_kv_int8": (write_kv.write_kv_int8_kernel, {"kc_ptr": "*i8", "vc_ptr": "*i8"}, dict(T=16, D=128)),
+        "copy_blocks": (copy_blocks.copy_blocks_kernel, {}, {"CHUNK": 1024}),
     }
+    refused = set()
     if capability >= 89:  # float8e4nv needs sm_89+
         fp8 = {"kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
-        cases["decode_fp8"] = (tp._decode_split_kernel, {**f32s, **fp8}, {**d16, "QUANT": 2})
-        cases["write_kv_fp8"] = (tp._write_kv_fp8_kernel, fp8, dict(T=16, D=128))
+        cases["decode_fp8"] = (paged_decode.decode_split_kernel, {**f32s, **fp8}, {**d16, "QUANT": 2})
+        cases["write_kv_fp8"] = (write_kv.write_kv_fp8_kernel, fp8, dict(T=16, D=128))
+    else:
+        refused.add(write_kv.write_kv_fp8_kernel)
+    every = [k for module in (write_kv, paged_decode, kivi_decode, paged_prefill, copy_blocks) for k in module.KERNELS]
+    covered = {case[0] for case in cases.values()} | refused
+    missing = [k.__name__ for k in every if k not in covered]
+    if missing:
+        raise RuntimeError(f"kernels without an ahead-of-time case: {missing}: add them to compile_all")
 
     def signature(fn, pointers: dict[str, str], consts: dict[str, int]) -> dict[str, str]:
         """Every argument typed from its name: constexprs, pointers (``*_ptr``), the fp32 scale, else int64."""

@@ -1,0 +1,369 @@
+"""Paged decode attention straight over KIVI's packed 4/2-bit blocks, with its full-precision residual window.
+
+Told in the Triton tutorials' order — reference (plain torch) → kernel → wrapper → check → benchmark. The
+split-K plan, the online-softmax step and the reduce kernel are :mod:`memos_kernels.paged_decode`'s.
+
+KIVI quantizes keys per channel over groups of ``group_size`` tokens and values per token over groups of
+``min(group_size, D)`` channels, asymmetrically (an fp16 scale and zero per group), and packs ``8 // bits``
+codes per byte, low bits first (channel ``d`` sits in byte ``d // (8 // bits)`` at bit ``(d % (8 // bits)) ·
+bits``). A block still inside the residual window has no codes yet: it lives at full precision in a row of the
+staging slab, and ``staging_slot[block]`` names the row (``-1``: the block is sealed, read its codes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from memos_kernels.common import NEG, CheckResult, default_device, is_pow2
+from memos_kernels.paged_decode import (
+    online_softmax_step,
+    paged_decode_reference,
+    plan_decode,
+    random_paged_case,
+    reduce_decode,
+)
+from memos_kernels.timing import time_ms
+
+from memos_ref.errors import ConfigError, DeviceError, DTypeError, ShapeError
+
+__all__ = [
+    "KERNELS",
+    "KIVI_PAYLOAD",
+    "KiviBlocks",
+    "benchmark_kivi_decode",
+    "check_kivi_decode",
+    "decode_kivi_split_kernel",
+    "kivi_dequantize",
+    "kivi_pack",
+    "kivi_unpack",
+    "paged_decode_attention_kivi",
+    "paged_decode_attention_kivi_packed",
+    "paged_decode_kivi_reference",
+    "random_kivi_blocks",
+]
+
+KIVI_PAYLOAD = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")  # a KIVI pool's payload keys
+
+
+# ---------------------------------------------------------------------------------------------- reference
+def kivi_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``bits``-bit codes ``[..., D]`` (uint8) into bytes ``[..., D · bits / 8]``, low bits first."""
+    per = 8 // bits
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+    out = torch.zeros(c.shape[:-1], dtype=torch.uint8, device=codes.device)
+    for i in range(per):
+        out |= c[..., i] << (bits * i)
+    return out
+
+
+def kivi_unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`kivi_pack`: bytes ``[..., n]`` to codes ``[..., n · 8 / bits]`` (uint8)."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    parts = [(packed >> (bits * i)) & mask for i in range(per)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * per)
+
+
+@dataclass
+class KiviBlocks:
+    """One layer of a KIVI pool as plain tensors: codes ``[N, H, T, D·bits/8]`` (uint8), key scale/zero
+    ``[N, H, T/group, D]`` and value scale/zero ``[N, H, T, D/min(group, D)]`` (fp16), the staging slab
+    ``[S, 2, H, T, D]`` and ``staging_slot [N]`` (-1: sealed); ``bits`` 4 or 2, ``group_size`` tokens per key
+    group."""
+
+    k_codes: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_codes: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+    staging: torch.Tensor
+    staging_slot: torch.Tensor
+    bits: int
+    group_size: int
+
+
+def kivi_dequantize(blocks: KiviBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch: every block's K and V ``[N, H, T, D]`` in fp32 — staged blocks from the slab, sealed ones
+    unpacked and dequantized (``code · scale + zero``)."""
+    bits = blocks.bits
+    d = blocks.k_scale.shape[-1]
+    gk, gv = blocks.group_size, min(blocks.group_size, d)
+    k = kivi_unpack(blocks.k_codes, bits).float() * blocks.k_scale.float().repeat_interleave(gk, 2)
+    k = k + blocks.k_zero.float().repeat_interleave(gk, 2)
+    v = kivi_unpack(blocks.v_codes, bits).float() * blocks.v_scale.float().repeat_interleave(gv, 3)
+    v = v + blocks.v_zero.float().repeat_interleave(gv, 3)
+    staged = (blocks.staging_slot >= 0).nonzero()[:, 0]
+    if staged.numel():
+        rows = blocks.staging[blocks.staging_slot[staged]].float()  # [n, 2, H, T, D]
+        k[staged], v[staged] = rows[:, 0], rows[:, 1]
+    return k, v
+
+
+def paged_decode_kivi_reference(
+    query: torch.Tensor,
+    blocks: KiviBlocks,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Plain torch: dequantize every block (:func:`kivi_dequantize`), then the float decode reference."""
+    k, v = kivi_dequantize(blocks)
+    return paged_decode_reference(query, k, v, block_tables, seq_lens, scale=scale)
+
+
+# ---------------------------------------------------------------------------------------------- kernel
+@triton.jit
+def decode_kivi_split_kernel(
+    q_ptr, tables_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr,
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, stg_ptr, slot_ptr,
+    scale,
+    s_qb, s_qh,
+    s_cb, s_ch, s_ct,
+    s_kb, s_kh, s_kg,
+    s_vb, s_vh, s_vt,
+    s_fb, s_fk, s_fh, s_ft,
+    s_tb, max_blocks, num_splits,
+    G: tl.constexpr, GP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+    BITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+):  # fmt: skip
+    """Split-K decode over KIVI blocks: packed codes (keys per channel over GK tokens, values per token over GV
+    channels, fp16 scale and zero), or the full-precision staging slab for blocks still in the residual window."""
+    PER: tl.constexpr = 8 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    t = tl.arange(0, T)
+    q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
+    q = q.to(tl.float32)
+    m_i = tl.full((GP,), NEG, tl.float32)
+    l_i = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((GP, D), tl.float32)
+    shift = ((d % PER) * BITS)[None, :]
+    for i in range(BLOCKS_PER_SPLIT):
+        idx = s * BLOCKS_PER_SPLIT + i
+        tok0 = idx * T
+        if (tok0 < seq_len) & (idx < max_blocks):
+            block = tl.load(tables_ptr + b * s_tb + idx)
+            ok = (tok0 + t) < seq_len
+            slot = tl.load(slot_ptr + block)
+            if slot >= 0:  # still at full precision (the residual window)
+                f = slot * s_fb + h * s_fh + t[:, None] * s_ft + d[None, :]
+                k = tl.load(stg_ptr + f, mask=ok[:, None], other=0.0).to(tl.float32)
+                v = tl.load(stg_ptr + s_fk + f, mask=ok[:, None], other=0.0).to(tl.float32)
+            else:
+                c = block * s_cb + h * s_ch + t[:, None] * s_ct + (d // PER)[None, :]
+                kcode = ((tl.load(kc_ptr + c, mask=ok[:, None], other=0).to(tl.int32) >> shift) & MASK).to(tl.float32)
+                vcode = ((tl.load(vc_ptr + c, mask=ok[:, None], other=0).to(tl.int32) >> shift) & MASK).to(tl.float32)
+                kq = block * s_kb + h * s_kh + (t // GK)[:, None] * s_kg + d[None, :]
+                k = kcode * tl.load(ks_ptr + kq).to(tl.float32) + tl.load(kz_ptr + kq).to(tl.float32)
+                vq = block * s_vb + h * s_vh + t[:, None] * s_vt + (d // GV)[None, :]
+                v = vcode * tl.load(vs_ptr + vq).to(tl.float32) + tl.load(vz_ptr + vq).to(tl.float32)
+            m_i, l_i, acc = online_softmax_step(q, k, v, ok, m_i, l_i, acc, scale)
+    row = (b * tl.num_programs(1) + h) * num_splits + s
+    tl.store(acc_ptr + (row * GP + g)[:, None] * D + d[None, :], acc)
+    tl.store(m_ptr + row * GP + g, m_i)
+    tl.store(l_ptr + row * GP + g, l_i)
+
+
+KERNELS = (decode_kivi_split_kernel,)
+
+
+# ---------------------------------------------------------------------------------------------- wrappers
+def _check_blocks(blocks: KiviBlocks, device: torch.device) -> tuple[int, int, int, int]:
+    """The KIVI tensors' shapes, dtypes, strides and device; returns ``(H, T, D, value group)``."""
+    bits, group = blocks.bits, blocks.group_size
+    if bits not in (2, 4) or not is_pow2(group):
+        raise ConfigError(f"KIVI bits must be 2 or 4 and group_size a power of two, got {bits} and {group}")
+    if blocks.k_scale.ndim != 4 or blocks.k_codes.ndim != 4:
+        raise ShapeError(
+            f"k_codes [N, H, T, D·bits/8] and k_scale [N, H, T/group, D] expected, got "
+            f"{tuple(blocks.k_codes.shape)} and {tuple(blocks.k_scale.shape)}"
+        )
+    n, h, t, _ = blocks.k_codes.shape
+    d = blocks.k_scale.shape[-1]
+    if not is_pow2(d) or not is_pow2(t):
+        raise ConfigError(f"head_dim and block size must be powers of two, got {d} and {t}")
+    if t % group:
+        raise ConfigError(f"block size {t} must be a multiple of the KIVI key group {group}")
+    gv = min(group, d)
+    want = {
+        "k_codes": ((n, h, t, d * bits // 8), torch.uint8),
+        "v_codes": ((n, h, t, d * bits // 8), torch.uint8),
+        "k_scale": ((n, h, t // group, d), torch.float16),
+        "k_zero": ((n, h, t // group, d), torch.float16),
+        "v_scale": ((n, h, t, d // gv), torch.float16),
+        "v_zero": ((n, h, t, d // gv), torch.float16),
+    }
+    for name, (shape, dtype) in want.items():
+        x = getattr(blocks, name)
+        if tuple(x.shape) != shape or x.dtype != dtype:
+            raise ShapeError(f"{name} must be {dtype} {list(shape)}, got {x.dtype} {list(x.shape)}")
+        if x.device != device:
+            raise DeviceError(f"{name} is on {x.device}, the query on {device}: use one device")
+    if blocks.v_codes.stride() != blocks.k_codes.stride() or blocks.k_zero.stride() != blocks.k_scale.stride():
+        raise ShapeError("k/v codes, and each scale with its zero, must have the same strides (views of one payload)")
+    if blocks.v_zero.stride() != blocks.v_scale.stride():
+        raise ShapeError("v_scale and v_zero must have the same strides (views of one payload)")
+    stg = blocks.staging
+    if stg.ndim != 5 or tuple(stg.shape[1:]) != (2, h, t, d) or not stg.dtype.is_floating_point:
+        raise ShapeError(f"staging must be a float [S, 2, {h}, {t}, {d}] slab, got {stg.dtype} {list(stg.shape)}")
+    if blocks.staging_slot.shape != (n,):
+        raise ShapeError(f"staging_slot must be [{n}] (one row per block, -1: sealed)")
+    return h, t, d, gv
+
+
+def paged_decode_attention_kivi_packed(
+    query: torch.Tensor,
+    blocks: KiviBlocks,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    blocks_per_split: int | None = None,
+) -> torch.Tensor:
+    """Decode attention ``query [B, Hq, D]`` -> ``[B, Hq, D]`` over one layer of KIVI blocks given as plain
+    tensors (:class:`KiviBlocks`): sealed blocks are unpacked and dequantized in the kernel, blocks of the
+    residual window are read from the full-precision staging slab."""
+    h, t, d, gv = _check_blocks(blocks, query.device)
+    if query.ndim != 3:
+        raise ShapeError(f"query must be [batch, q_heads, head_dim], got {tuple(query.shape)}")
+    b, hq, _ = query.shape
+    if query.shape[2] != d or hq % h or block_tables.ndim != 2 or block_tables.shape[0] != b or seq_lens.shape != (b,):
+        raise ShapeError(f"query [{b}, k·{h}, {d}], block_tables [{b}, *] and seq_lens [{b}] expected")
+    if not query.dtype.is_floating_point or query.stride(-1) != 1:
+        raise DTypeError(f"query must be floating point and contiguous along head_dim, got {query.dtype}")
+    dev = query.device
+    stg = blocks.staging if blocks.staging.shape[0] else torch.zeros((1, 2, h, t, d), device=dev)
+    slots = blocks.staging_slot.to(device=dev, dtype=torch.int64)
+    kc, ks, kz, vc, vs, vz = (blocks.k_codes, blocks.k_scale, blocks.k_zero, blocks.v_codes, blocks.v_scale,
+                              blocks.v_zero)  # fmt: skip
+    max_blocks = block_tables.shape[1]
+    plan = plan_decode(query, h, t, max_blocks, blocks_per_split)
+    if b == 0:
+        return plan.out
+    tables, lens = block_tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
+    decode_kivi_split_kernel[plan.grid](
+        query, tables, lens, plan.acc, plan.m, plan.l_sum,
+        kc, ks, kz, vc, vs, vz, stg, slots,
+        scale if scale is not None else 1.0 / math.sqrt(d),
+        query.stride(0), query.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2),
+        vs.stride(0), vs.stride(1), vs.stride(2),
+        stg.stride(0), stg.stride(1), stg.stride(2), stg.stride(3),
+        tables.stride(0), max_blocks, plan.num_splits,
+        G=plan.group, GP=plan.gp, T=t, D=d, BLOCKS_PER_SPLIT=plan.blocks_per_split,
+        BITS=blocks.bits, GK=blocks.group_size, GV=gv,
+    )  # fmt: skip
+    return reduce_decode(plan)
+
+
+def paged_decode_attention_kivi(
+    query: torch.Tensor,
+    pool: object,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    blocks_per_split: int | None = None,
+) -> torch.Tensor:
+    """Decode attention ``[B, Hq, D]`` over layer ``layer`` of a KIVI quantized pool, read by duck typing (no
+    import of the pool's class): ``pool.scheme.bits`` / ``.group_size``, ``pool.payload`` (the
+    :data:`KIVI_PAYLOAD` tensors ``[N, L, ...]``), ``pool.staging [S, L, 2, H, T, D]`` and
+    ``pool.staging_slot [N]``. Slices the layer and calls :func:`paged_decode_attention_kivi_packed`."""
+    scheme = getattr(pool, "scheme", None)
+    bits, group = getattr(scheme, "bits", None), getattr(scheme, "group_size", None)
+    payload = getattr(pool, "payload", None)
+    if not (isinstance(bits, int) and isinstance(group, int) and isinstance(payload, dict)) or not set(
+        KIVI_PAYLOAD
+    ) <= set(payload):
+        raise ConfigError(f"expected a quantized pool with a KIVI scheme, got {type(pool).__name__}")
+    staging = pool.staging  # type: ignore[attr-defined]
+    blocks = KiviBlocks(
+        *(payload[name][:, layer] for name in KIVI_PAYLOAD),
+        staging[:, layer],
+        pool.staging_slot,  # type: ignore[attr-defined]
+        bits=bits,
+        group_size=group,
+    )
+    return paged_decode_attention_kivi_packed(
+        query, blocks, block_tables, seq_lens, scale=scale, blocks_per_split=blocks_per_split
+    )
+
+
+# ---------------------------------------------------------------------------------------------- check
+def random_kivi_blocks(
+    seed: int,
+    num_blocks: int,
+    *,
+    bits: int = 4,
+    group_size: int = 16,
+    kv_heads: int = 2,
+    block_size: int = 32,
+    head_dim: int = 32,
+    staged: tuple[int, ...] = (),
+    device: str = "cpu",
+) -> KiviBlocks:
+    """Random KIVI blocks: random codes packed, positive scales, zeros around 0; the blocks ``staged`` live in
+    the staging slab (in reverse row order, so block id and row differ)."""
+    g = torch.Generator().manual_seed(seed)
+    n, h, t, d = num_blocks, kv_heads, block_size, head_dim
+    gv = min(group_size, d)
+
+    def codes() -> torch.Tensor:
+        return kivi_pack(torch.randint(0, 1 << bits, (n, h, t, d), generator=g, dtype=torch.uint8), bits)
+
+    def half(*shape: int, lo: float) -> torch.Tensor:
+        return (torch.rand(*shape, generator=g) + lo).to(torch.float16)
+
+    slot = torch.full((n,), -1, dtype=torch.long)
+    slot[list(staged)] = torch.arange(len(staged) - 1, -1, -1)
+    blocks = KiviBlocks(
+        codes(), half(n, h, t // group_size, d, lo=0.1), half(n, h, t // group_size, d, lo=-1.0),
+        codes(), half(n, h, t, d // gv, lo=0.1), half(n, h, t, d // gv, lo=-1.0),
+        torch.randn(len(staged), 2, h, t, d, generator=g), slot,
+        bits=bits, group_size=group_size,
+    )  # fmt: skip
+    for name in (*KIVI_PAYLOAD, "staging", "staging_slot"):
+        setattr(blocks, name, getattr(blocks, name).to(device))
+    return blocks
+
+
+def check_kivi_decode(device: str | None = None, *, seed: int = 0, bits: int = 4) -> CheckResult:
+    """:func:`paged_decode_attention_kivi_packed` against :func:`paged_decode_kivi_reference`: three sequences
+    (70, 9 and 0 tokens in 32-token blocks) over packed and staged blocks, one block per split."""
+    device = device or default_device()
+    q, pool, tables, lens = random_paged_case(seed, [70, 9, 0], block_size=32, device=device)
+    staged = (int(tables[0, 2]), int(tables[1, 0]))  # the newest block of the first sequence, the second's only
+    blocks = random_kivi_blocks(seed, pool.shape[0], bits=bits, staged=staged, device=device)
+    got = paged_decode_attention_kivi_packed(q, blocks, tables, lens, blocks_per_split=1)
+    want = paged_decode_kivi_reference(q, blocks, tables, lens)
+    return CheckResult(f"kivi_decode[{bits}bit]", float((got - want).abs().max()), 1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- benchmark
+def benchmark_kivi_decode(
+    device: str | None = None, *, batch: int = 8, context: int = 1024, bits: int = 4, head_dim: int = 128
+) -> dict[str, float]:
+    """Time :func:`paged_decode_attention_kivi_packed` against :func:`paged_decode_kivi_reference` (8 KV heads,
+    GQA 4, 32-token blocks, one staged block): medians and min–max in milliseconds."""
+    device = device or default_device()
+    q, pool, tables, lens = random_paged_case(
+        0, [context] * batch, kv_heads=8, block_size=32, head_dim=head_dim, device=device
+    )
+    blocks = random_kivi_blocks(
+        0, pool.shape[0], bits=bits, kv_heads=8, head_dim=head_dim, staged=(int(tables[0, -1]),), device=device
+    )
+    kernel = time_ms(lambda: paged_decode_attention_kivi_packed(q, blocks, tables, lens), device)
+    reference = time_ms(lambda: paged_decode_kivi_reference(q, blocks, tables, lens), device)
+    return {**kernel.as_dict("kernel"), **reference.as_dict("reference")}
