@@ -249,3 +249,12 @@ def test_export_tokenizer_bounds_and_refusals(tmp_path, monkeypatch):
     (src / "tokenizer_config.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="JSON object"):
         export_tokenizer(src, tmp_path / "out4", max_length=16)
+
+
+def test_bench_agent_real_geometry_is_the_converted_models(smollm2_path):
+    from memos_ref.bench.agent import REAL_GEOMETRY
+    from memos_ref.spec import KVSpec
+
+    src = json.loads((smollm2_path / "config.json").read_text())
+    spec = KVSpec.from_hf_config(src, dtype="float16", block_size=REAL_GEOMETRY.block_size)
+    assert spec == REAL_GEOMETRY and spec.bytes_per_token == 23_040

@@ -7,6 +7,18 @@ and an event waits while its session has a request in flight; requests of differ
 same system prompt reuses cached blocks); "without" recomputes every prompt. Greedy outputs must be identical
 both ways (checked). Reported: prefill tokens computed, peak blocks, time to first token, generated tokens
 per second, preemptions.
+
+Two KV geometries are reported side by side (``config["geometries"]``):
+
+* ``shipped`` — the model that runs: the package's forward on the shipped weights drives every token, block
+  count and timing (its pool holds fp32 K/V: 4 layers × 2 × 2 heads × 32 × 4 bytes = 2,048 bytes per token);
+* ``smollm2-135m-instruct`` — **geometry only**, the real model's KV layout (30 layers × 2 × 3 KV heads × 64 ×
+  2 bytes = 23,040 bytes of fp16 KV per token, 23 KiB). Its figures (peak KV bytes, KV bytes written and not
+  recomputed by prefill) are the shipped run's block and token counts × that geometry: allocation, sharing and
+  memory depend only on token counts, block size and the per-token size, not on the weights. No forward runs
+  with its weights here (30 layers on 2 CPU cores would make even ``--quick`` take many minutes), and the
+  token streams are the byte-level tokenizer's: SmolLM2's BPE tokenizer turns the same text into fewer tokens,
+  so these are the real geometry applied to these traces, not a run of the real model.
 """
 
 from __future__ import annotations
@@ -15,15 +27,26 @@ import statistics
 import time
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from memos_ref.bench.common import envelope, format_table
 from memos_ref.engine import Engine, Request
+from memos_ref.errors import ConfigError
 from memos_ref.model.tokenizer import ByteTokenizer
 from memos_ref.paged import PagedKV
+from memos_ref.spec import KVSpec
 from memos_ref.traces import SYSTEM_PROMPTS, TRACES, TraceEvent, make_trace
 
-__all__ = ["human", "plot", "replay_through_engine", "run"]
+__all__ = ["REAL_GEOMETRY", "human", "plot", "real_geometry_figures", "replay_through_engine", "run"]
+
+BLOCK_SIZE = 16
+#: SmolLM2-135M-Instruct's KV geometry (its config.json: 30 layers, 3 KV heads of 64 for 9 query heads), fp16.
+REAL_GEOMETRY = KVSpec(
+    num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float16, block_size=BLOCK_SIZE, num_q_heads=9
+)
+REAL_NAME = "smollm2-135m-instruct"
+MIB = 2**20
 
 _MARK = {
     "system": "<|system|>",
@@ -98,9 +121,37 @@ def replay_through_engine(trace: list[TraceEvent], model: Any, kv: PagedKV, max_
     }
 
 
-def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
+def real_geometry_figures(row: dict[str, Any], spec: KVSpec = REAL_GEOMETRY) -> dict[str, int]:
+    """A replay's block and token counts priced in ``spec``'s geometry (bytes; no forward involved)."""
+    per_token = spec.bytes_per_token
+    return {
+        "peak_kv_bytes": row["peak_blocks"] * spec.block_size * per_token,
+        "prefill_kv_bytes_written": row["prefill_computed"] * per_token,
+        "prefill_kv_bytes_reused": (row["prefill_total"] - row["prefill_computed"]) * per_token,
+    }
+
+
+def _geometry(spec: KVSpec, drives: str) -> dict[str, Any]:
+    return {
+        "num_layers": spec.num_layers,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "dtype": str(spec.dtype).removeprefix("torch."),
+        "block_size": spec.block_size,
+        "kv_bytes_per_token": spec.bytes_per_token,
+        "kv_bytes_per_block": spec.bytes_per_block,
+        "uses": drives,
+    }
+
+
+def run(quick: bool = False, progress: bool = True, model: str | None = None) -> dict[str, Any]:
+    """Replay the three traces with and without reuse (see the module docstring). ``model`` may name
+    ``"shipped"`` or ``"smollm2-135m-instruct"``; both geometries are reported either way, and the forward is
+    always the shipped model's (the real model's figures are geometry only)."""
     from memos_ref.model import load_model
 
+    if model not in (None, "shipped", REAL_NAME):
+        raise ConfigError(f"bench agent: model must be 'shipped' or {REAL_NAME!r}, got {model!r}")
     model = load_model()
     scale, blocks = (0.34, 2048) if quick else (1.0, 4096)
     results, summary = [], {}
@@ -108,29 +159,54 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
         trace = make_trace(name, scale=scale)
         rows = {}
         for reuse in (True, False):
-            kv = PagedKV(model.kv_spec(block_size=16), blocks, prefix_caching=reuse)
+            kv = PagedKV(model.kv_spec(block_size=BLOCK_SIZE), blocks, prefix_caching=reuse)
             rows[reuse] = replay_through_engine(trace, model, kv)
             kv.check()
         if rows[True]["outputs"] != rows[False]["outputs"]:
             raise AssertionError(f"trace {name}: outputs differ with and without reuse")
+        shipped = model.kv_spec(block_size=BLOCK_SIZE)
         for reuse, row in rows.items():
-            results.append({"trace": name, "reuse": reuse, **{k: v for k, v in row.items() if k != "outputs"}})
+            real = real_geometry_figures(row)
+            results.append(
+                {
+                    "trace": name,
+                    "reuse": reuse,
+                    **{k: v for k, v in row.items() if k != "outputs"},
+                    "peak_kv_bytes": row["peak_blocks"] * shipped.bytes_per_block,
+                    **{f"real_geometry_{k}": v for k, v in real.items()},
+                }
+            )
         with_, without = rows[True], rows[False]
+        real_with, real_without = real_geometry_figures(with_), real_geometry_figures(without)
         summary[name] = {
             "prefill_tokens_saved_fraction": 1 - with_["prefill_computed"] / without["prefill_computed"],
             "peak_blocks_ratio": with_["peak_blocks"] / without["peak_blocks"],
             "ttft_ratio_median": with_["ttft_median_s"] / without["ttft_median_s"],
             "throughput_tokens_per_s": {"with_reuse": with_["tokens_per_s"], "without": without["tokens_per_s"]},
             "preemptions": {"with_reuse": with_["preemptions"], "without": without["preemptions"]},
+            "real_geometry_peak_kv_bytes": {
+                "with_reuse": real_with["peak_kv_bytes"],
+                "without": real_without["peak_kv_bytes"],
+            },
+            "real_geometry_prefill_kv_bytes_not_recomputed": real_with["prefill_kv_bytes_reused"],
         }
     config = {
         "scale": scale,
         "pool_blocks": blocks,
-        "block_size": 16,
+        "block_size": BLOCK_SIZE,
         "max_batch": 8,
         "model": "shipped",
         "forward": "package",
         "closed_loop": True,
+        "real_weights": False,
+        "geometries": {
+            "shipped": _geometry(model.kv_spec(block_size=BLOCK_SIZE), "real forward: tokens, timings, blocks"),
+            REAL_NAME: _geometry(
+                REAL_GEOMETRY,
+                "geometry only: the shipped run's block and token counts x this model's KV bytes per token; "
+                "no forward with its weights, byte-level token counts",
+            ),
+        },
     }
     return envelope("agent", config, results, summary)
 
@@ -150,8 +226,32 @@ def human(report: dict[str, Any]) -> str:
     lines = [format_table(report["results"], cols), ""]
     for name, figures in report["summary"].items():
         lines.append(
-            f"{name}: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items())
+            f"{name}: "
+            + ", ".join(
+                f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in figures.items()
+                if not k.startswith("real_geometry")
+            )
         )
+    geometries = report["config"].get("geometries", {})
+    if REAL_NAME in geometries:
+        real = geometries[REAL_NAME]
+        lines += [
+            "",
+            f"{REAL_NAME} geometry ({real['num_layers']} layers x 2 x {real['num_kv_heads']} KV heads x "
+            f"{real['head_dim']} x fp16 = {real['kv_bytes_per_token']:,} bytes per token) — GEOMETRY ONLY: the "
+            "block and token counts above (shipped model, byte tokens) priced at the real model's KV size; "
+            "no forward with its weights",
+        ]
+        for name, figures in report["summary"].items():
+            peak = figures.get("real_geometry_peak_kv_bytes")
+            if peak is None:
+                continue
+            saved = figures["real_geometry_prefill_kv_bytes_not_recomputed"]
+            lines.append(
+                f"{name}: peak KV {peak['with_reuse'] / MIB:.1f} MiB with reuse vs {peak['without'] / MIB:.1f} MiB "
+                f"without; prefill KV not recomputed {saved / MIB:.1f} MiB"
+            )
     return "\n".join(lines)
 
 
