@@ -16,9 +16,13 @@ How attention reads the pages, three ways:
 * otherwise ``update`` gathers each row's blocks into a dense ``[B, H, S, D]`` tensor every step, which any
   attention implementation accepts.
 
-In this reference all three still gather per sequence inside torch (``bench decode`` measures the cost beside
-the contiguous cache); a kernel that reads the pool in place (``memos_kernels``) removes the copy behind the
-same two seams.
+In this reference the gather is one indexed copy of each row's own blocks per layer and step (its cost follows
+the sequence, not the pool); a kernel that reads the pool in place (``memos_kernels``) removes the copy behind
+the same two seams. Where no kernel runs, ``PagedCache(kv, dense_mirror=True)`` instead keeps a dense copy of
+each layer's K/V beside the pages that grows by appends (as ``DynamicCache`` holds its K/V), so a decode step
+copies only its new token: ``update`` returns a view of it and ``attend`` reads it. It costs the memory of that
+copy (not shared between forks, outside the pool's byte budget, not swapped by tiering), so it is off by
+default; it is never used over a quantized pool (reads there must see the dequantized values).
 
 Lifetime: ``free()`` (or leaving a ``with PagedCache(kv) as cache:`` block) returns the blocks at once; a cache
 dropped without ``free()`` returns them when it is garbage-collected; ``copy.deepcopy(cache)`` is ``fork()``
@@ -56,6 +60,8 @@ from memos_ref.paged.store import PagedKV
 from memos_ref.spec import check_supported_config, warn_sliding, warn_sliding_window
 
 __all__ = ["PAGED_ATTENTION", "PagedCache", "PagedLayer", "PagedView", "register_paged_attention"]
+
+_MIN_MIRROR_TOKENS = 256  # the first capacity of a dense mirror (it doubles when full)
 
 #: The name under which :func:`register_paged_attention` registers the paged attention function.
 PAGED_ATTENTION = "memos_paged"
@@ -213,6 +219,47 @@ def register_paged_attention() -> str:
     return PAGED_ATTENTION
 
 
+# ---------------------------------------------------------------------------------------------- dense mirror
+class _Mirror:
+    """One layer's K/V of every row, dense ``[B, H, capacity, D]``, valid for the first ``length`` positions of
+    the rows whose sequence ids are ``rows`` (positions below a row's length never change while the sequence
+    lives: appends go after them, and a truncation is seen as a shorter length)."""
+
+    __slots__ = ("keys", "length", "rows", "values")
+
+    def __init__(self, rows: tuple[int, ...], keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        self.rows, self.keys, self.values, self.length = rows, keys, values, length
+
+    @classmethod
+    def from_pages(cls, sequences: list[SequenceCache], layer: int, length: int) -> _Mirror:
+        """Gather the first ``length`` positions of every row from the pool (the one full copy)."""
+        dense = [seq.pool.gather(layer, seq.block_table_tensor(), length) for seq in sequences]  # ([H, S, D],) * 2
+        k0 = dense[0][0]
+        shape = (len(sequences), k0.shape[0], max(_MIN_MIRROR_TOKENS, 2 * length), k0.shape[2])
+        keys, values = k0.new_empty(shape), k0.new_empty(shape)
+        for row, (k, v) in enumerate(dense):
+            keys[row, :, :length] = k
+            values[row, :, :length] = v
+        return cls(tuple(seq.seq_id for seq in sequences), keys, values, length)
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Copy ``[B, H, n, D]`` after the valid positions (doubling the capacity when full)."""
+        n, stop = key.shape[2], self.length + key.shape[2]
+        if stop > self.keys.shape[2]:
+            shape = (*self.keys.shape[:2], max(2 * self.keys.shape[2], stop), self.keys.shape[3])
+            keys, values = self.keys.new_empty(shape), self.values.new_empty(shape)
+            keys[:, :, : self.length] = self.keys[:, :, : self.length]
+            values[:, :, : self.length] = self.values[:, :, : self.length]
+            self.keys, self.values = keys, values
+        self.keys[:, :, self.length : stop] = key
+        self.values[:, :, self.length : stop] = value
+        self.length += n
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The valid K/V ``[B, H, length, D]`` (views, no copy)."""
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+
 # ---------------------------------------------------------------------------------------------- lifetime
 class _Rows:
     """The sequences of one :class:`PagedCache`, kept apart from it so that a finalizer can free them after the
@@ -326,6 +373,10 @@ class PagedCache(Cache):
         sequences: start from these sequences (e.g. forks or prefix hits); default: created on first use.
         cache_salt: tenant salt for prefix hashing.
         direct: hand the registered ``memos_paged`` attention function a page view instead of dense K/V.
+        dense_mirror: keep a dense per-layer copy of the K/V beside the pages, grown by appends, for ``update``
+            (without ``direct``) and ``attend`` where no kernel runs: a decode step copies only its new token
+            instead of gathering every row's history, at the memory cost of that copy (see the module notes).
+            Ignored over a quantized pool.
         config: the model's config (or the model): refuses unsupported models (MLA, linear attention) here
             rather than in the middle of a forward, and warns about sliding-window memory.
 
@@ -346,9 +397,11 @@ class PagedCache(Cache):
         cache_salt: str | None = None,
         direct: bool = False,
         config: Any = None,
+        dense_mirror: bool = False,
     ) -> None:
         check_type("kv", kv, PagedKV)
         check_type("direct", direct, bool)
+        check_type("dense_mirror", dense_mirror, bool)
         if cache_salt is not None:
             check_type("cache_salt", cache_salt, str)
         rows = _check_sequences(kv, sequences)
@@ -357,6 +410,8 @@ class PagedCache(Cache):
             warn_sliding_window(config)
         _drain_pending()
         self.kv, self.cache_salt, self.direct = kv, cache_salt, direct
+        self.dense_mirror = dense_mirror
+        self._mirrors: list[_Mirror | None] = [None] * kv.spec.num_layers
         self._rows = _Rows(kv, rows)
         self._freed = False
         self._sliding_noted = False
@@ -425,7 +480,9 @@ class PagedCache(Cache):
             for seq in rows:
                 seq.free()
             raise
-        child = PagedCache(self.kv, rows, cache_salt=self.cache_salt, direct=self.direct)
+        child = PagedCache(
+            self.kv, rows, cache_salt=self.cache_salt, direct=self.direct, dense_mirror=self.dense_mirror
+        )
         child._saw_padding = self._saw_padding
         return child
 
@@ -568,8 +625,42 @@ class PagedCache(Cache):
         it is the seam where a paged-attention kernel reads the pool directly. Returns ``[B, Hq, n, D]``.
         """
         check_type("query", query, torch.Tensor)
+        before = self._held(layer)
         self._write(key, value, layer)
+        if self._mirrored(query.device):
+            from memos_ref.attention import dense_attention
+
+            keys, values = self._mirror_step(layer, before, key, value)  # [B, H, S, D] views
+            return torch.stack([dense_attention(query[i], keys[i], values[i]) for i in range(query.shape[0])])
         return self._attend_stored(query, layer)
+
+    def _held(self, layer: int) -> int:
+        """Tokens layer ``layer`` holds in every row (rows of one cache hold the same number)."""
+        return self.sequences[0].layer_tokens[layer] if self.sequences else 0
+
+    def _mirrored(self, device: torch.device) -> bool:
+        """Whether reads go through the dense mirror: asked for, a plain pool, and no kernel on ``device``."""
+        if not self.dense_mirror or getattr(self.kv.pool, "quantized", False):
+            return False
+        from memos_ref.attention import use_kernels
+
+        return not use_kernels(device)
+
+    def _mirror_step(
+        self, layer: int, before: int, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense K/V ``[B, H, S, D]`` of ``layer`` after this step's K/V ``[B, H, n, D]`` were written to the
+        pages (rows held ``before`` tokens): the mirror grown by them, or rebuilt from the pages when its rows
+        changed (fork, beam reorder, reset) or its length no longer follows theirs (rolled back, or written
+        outside this cache)."""
+        mirror = self._mirrors[layer]
+        rows = tuple(seq.seq_id for seq in self.sequences)
+        if mirror is None or mirror.rows != rows or mirror.length != before:
+            mirror = _Mirror.from_pages(self.sequences, layer, before + key.shape[2])
+            self._mirrors[layer] = mirror
+        else:
+            mirror.append(key, value)
+        return mirror.view()
 
     def _attend_stored(self, query: torch.Tensor, layer: int, scale: float | None = None, **extras: Any):
         from memos_ref.attention import attend_sequences
@@ -598,7 +689,10 @@ class PagedCache(Cache):
             self._check(key, value)
             view = PagedView(self, layer, (key, value))
             return view, view
+        before = self._held(layer)
         self._write(key, value, layer)
+        if self._mirrored(key.device):
+            return self._mirror_step(layer, before, key, value)
         keys, values = [], []
         for seq in self.sequences:
             k, v = seq.to_dense(layer)  # [H, S, D]: the gather transformers' attention needs
@@ -646,6 +740,7 @@ class PagedCache(Cache):
     def _release(self) -> None:
         """Free every row's blocks; the cache stays usable (``reset``)."""
         seqs, self.sequences = self.sequences, []
+        self._mirrors = [None] * len(self._mirrors)
         for seq in seqs:
             seq.free()
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["envelope", "format_table", "machine_info", "time_calls_ms"]
+__all__ = ["envelope", "format_table", "machine_info", "ratio_stats", "time_calls_ms", "time_interleaved_ms"]
 
 
 def _cpu_model() -> str:
@@ -77,6 +77,52 @@ def time_calls_ms(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple
             torch.cuda.synchronize()
         samples.append((time.perf_counter() - started) * 1e3)
     return statistics.median(samples), samples
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_interleaved_ms(
+    calls: dict[str, Callable[[], Any]], repeats: int | dict[str, int], warmup: int = 1
+) -> dict[str, list[float]]:
+    """Wall times in milliseconds of several contenders measured side by side: ``warmup`` untimed rounds, then
+    rounds in which every contender runs once (in a rotated order, so none always runs right after another);
+    a contender given fewer ``repeats`` (a dict name -> count) sits out the later rounds. A load that comes and
+    goes hits every contender alike, so ratios of samples taken in the same round stay meaningful.
+
+    Returns name -> samples (ms), in round order."""
+    counts = repeats if isinstance(repeats, dict) else dict.fromkeys(calls, repeats)
+    names = list(calls)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(warmup + max(counts.values(), default=0)):
+        order = names[r % len(names) :] + names[: r % len(names)] if names else []
+        for name in order:
+            timed = r >= warmup
+            if timed and len(samples[name]) >= counts[name]:
+                continue
+            _sync()
+            started = time.perf_counter()
+            calls[name]()
+            _sync()
+            if timed:
+                samples[name].append((time.perf_counter() - started) * 1e3)
+    return samples
+
+
+def ratio_stats(num: list[float], den: list[float]) -> dict[str, float | None]:
+    """Median, min and max of the per-round ratios ``num[i] / den[i]`` of two contenders timed side by side
+    (:func:`time_interleaved_ms`), and the ratio of their medians (all ``None`` without a usable round)."""
+    rounds = [a / b for a, b in zip(num, den) if b > 0]
+    if not rounds:
+        return {"median": None, "min": None, "max": None, "of_medians": None}
+    return {
+        "median": round(statistics.median(rounds), 3),
+        "min": round(min(rounds), 3),
+        "max": round(max(rounds), 3),
+        "of_medians": round(statistics.median(num) / statistics.median(den), 3),
+    }
 
 
 def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:

@@ -11,6 +11,9 @@ Every operation takes global block ids and works across segments.
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
+
 import torch
 
 from memos_ref.errors import (
@@ -71,6 +74,31 @@ def check_slots(slots: object, n: int, num_blocks: int, block_size: int) -> torc
     return slots
 
 
+def _slot_list(slots: object, n: int, limit: int) -> list[int]:
+    """Slots ``[n]`` (an integer tensor or a sequence of ints) as validated Python ints, each -1 or in
+    ``[0, limit)`` — the checks of :func:`check_slots` without a tensor op per check (a decode step's write)."""
+    if isinstance(slots, torch.Tensor):
+        slots = _check_int_tensor("slots", slots)
+        if slots.shape != (n,):
+            raise ShapeError(f"slots must be [{n}], got {tuple(slots.shape)}")
+        ids = slots.tolist()
+    else:
+        if isinstance(slots, (str, bytes)) or not isinstance(slots, Sequence):
+            raise ArgumentTypeError(
+                f"slots: expected an integer tensor or a sequence of ints, got {type(slots).__name__}"
+            )
+        ids = list(slots)
+        if len(ids) != n:
+            raise ShapeError(f"slots must be [{n}], got {len(ids)} slots")
+        for s in ids:
+            if type(s) is not int:  # bool and float are not slots
+                raise ArgumentTypeError(f"slots: expected ints, got {type(s).__name__} {s!r}")
+    bad = [s for s in ids if s < -1 or s >= limit]
+    if bad:
+        raise InvalidArgumentError(f"slots: expected -1 (skip) or a slot in [0, {limit}), got {bad[:4]}")
+    return ids
+
+
 def check_block_table(table: object, num_blocks: int, num_tokens: object, block_size: int) -> tuple[torch.Tensor, int]:
     """A block table ``[n]`` of valid block ids covering ``num_tokens`` (an int in ``[0, n · block_size]``)."""
     table = _check_int_tensor("block_table", table)
@@ -108,6 +136,9 @@ class BlockPool:
         segments: split the initial allocation into this many tensors (to exercise and teach segmenting).
         device: where the blocks live.
     """
+
+    #: :meth:`write` stores up to this many tokens with slice copies (more: one indexed scatter).
+    DIRECT_WRITE_TOKENS = 64
 
     def __init__(
         self,
@@ -197,12 +228,31 @@ class BlockPool:
         (``layer``, for the messages of pools that also check values, is unused here)."""
         check_kv(self.spec, self.device, key, value)
 
-    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Scatter one layer's K/V ``[n, H, D]`` into ``slots [n]`` (slot = block · T + offset; -1 skips)."""
+    def _segment_of(self, block: int) -> tuple[torch.Tensor, int]:
+        """The segment holding a (valid) global block id, and the block's id inside it."""
+        if len(self.segments) == 1:
+            return self.segments[0], block
+        i = bisect.bisect_right(self._starts, block) - 1
+        return self.segments[i], block - self._starts[i]
+
+    def write(self, layer: int, slots: torch.Tensor | Sequence[int], key: torch.Tensor, value: torch.Tensor) -> None:
+        """Scatter one layer's K/V ``[n, H, D]`` into ``slots [n]`` (slot = block · T + offset; -1 skips).
+
+        ``slots`` is an integer tensor or a sequence of ints. Up to :attr:`DIRECT_WRITE_TOKENS` tokens (a decode
+        step, a short chunk) are stored directly: one slice copy per run of consecutive slots in one block,
+        validated in Python (about 10 µs for a decode step, against ~100 µs through index tensors).
+        """
         layer = check_layer(self.spec, layer)
         self.check_kv(key, value)
         t = self.spec.block_size
-        slots = check_slots(slots, key.shape[0], self.num_blocks, t)
+        n = key.shape[0]
+        if n <= self.DIRECT_WRITE_TOKENS:
+            self._store_runs(layer, _slot_list(slots, n, self.num_blocks * t), key, value)
+            return
+        if not isinstance(slots, torch.Tensor):
+            _slot_list(slots, n, self.num_blocks * t)  # the checks, then one index tensor
+            slots = torch.tensor(slots, dtype=torch.long)
+        slots = check_slots(slots, n, self.num_blocks, t)
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
         blocks, offsets = slots // t, slots % t
@@ -210,6 +260,24 @@ class BlockPool:
             kv = seg[:, layer]  # [n, 2, H, T, D]
             kv[local, 0, :, offsets[where]] = key[where]
             kv[local, 1, :, offsets[where]] = value[where]
+
+    def _store_runs(self, layer: int, slots: list[int], key: torch.Tensor, value: torch.Tensor) -> None:
+        """Copy K/V ``[n, H, D]`` into validated ``slots``, one slice per run of consecutive slots in a block."""
+        t, i, n = self.spec.block_size, 0, len(slots)
+        while i < n:
+            start = slots[i]
+            if start < 0:  # -1: skip this token
+                i += 1
+                continue
+            j = i + 1
+            while j < n and slots[j] == slots[j - 1] + 1 and slots[j] % t:
+                j += 1
+            block, offset = divmod(start, t)
+            seg, local = self._segment_of(block)
+            kv = seg[local, layer]  # view [2, H, T, D]
+            kv[0, :, offset : offset + j - i] = key[i:j].transpose(0, 1)  # [H, run, D]
+            kv[1, :, offset : offset + j - i] = value[i:j].transpose(0, 1)
+            i = j
 
     def gather(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``num_tokens`` keys and values of a sequence, densely: ``[H, num_tokens, D]`` each.
