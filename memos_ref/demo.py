@@ -2,6 +2,13 @@
 
 Prints the completion once, then a table: per-token decode latency, KV memory held, bytes copied, and
 whether the tokens are identical to the no-cache run (they must be).
+
+``python -m memos_ref.demo --model smollm2-135m-instruct``: a short multi-agent exchange on a real chat model
+instead — a system prompt and a tool list rendered through the model's chat template, a main agent, sub-agents
+asked other questions (one of them starting from an injected memory), their answers, and per agent the prompt
+tokens, the tokens reused from the prefix cache (or the memory), the blocks it shares with other sessions and
+its time to first token. ``--check`` also compares every answer with transformers' ``generate`` (greedy,
+``DynamicCache``), token for token.
 """
 
 from __future__ import annotations
@@ -17,8 +24,37 @@ from memos_ref.bench.common import format_table
 from memos_ref.caches import ConcatCache, ContiguousCache
 from memos_ref.model import load_hf_model, load_model
 from memos_ref.model.tokenizer import ByteTokenizer
+from memos_ref.session import SegmentKind, SessionManager
 
 PROMPT = 'def read_config(path):\n    """Read a JSON config file and return a dict."""\n'
+
+#: The real-model demo's agents: (name, how it starts, question).
+CHAT_SYSTEM = "You are a concise assistant. Answer in one sentence."
+CHAT_TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the web",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+        },
+    },
+]
+CHAT_MEMORY = "Known facts about the user: name Ada; pet a cat named Tom."
+CHAT_AGENTS = [
+    ("main", "system+tools", "What is the capital of France? Answer in one sentence."),
+    ("sub-1", "system+tools", "What color is the sky on a clear day?"),
+    ("sub-2", "fork of main", "And what is the capital of Italy?"),
+    ("sub-3", "memory", "What is the name of my cat?"),
+]
 
 
 def _generate(step_fn, prompt: torch.Tensor, cache: Any, new_tokens: int) -> tuple[torch.Tensor, list[float]]:
@@ -35,12 +71,113 @@ def _generate(step_fn, prompt: torch.Tensor, cache: Any, new_tokens: int) -> tup
     return ids, times
 
 
+def _agent_session(manager: SessionManager, start: str, main: Any, memory: Any) -> Any:
+    if start == "fork of main":
+        return main.fork(1)[0]
+    if start == "memory":
+        return manager.new_session(memories=[memory])
+    return manager.new_session(system=("assistant", "v1"), tools=CHAT_TOOLS)
+
+
+def run_chat_demo(model: Any, tokenizer: Any, *, new_tokens: int = 24, fingerprint: str = "demo") -> dict[str, Any]:
+    """The multi-agent exchange on ``model`` (the package's forward) with its chat ``tokenizer``.
+
+    Returns ``{"rows": [...], "sessions": {...}, "manager": ...}``: one row per agent (agent, start, question,
+    answer, prompt tokens, reused tokens, blocks shared, TTFT ms, new tokens); the sessions stay open so their
+    blocks can be inspected (close them, or drop the manager, when done)."""
+    manager = SessionManager(model, num_blocks=96, tokenizer=tokenizer, fingerprint=fingerprint)
+    manager.register_system_prompt("assistant", "v1", CHAT_SYSTEM)
+    sessions: dict[str, Any] = {}
+    timings: dict[str, float] = {}
+    memory = None
+    for name, start, question in CHAT_AGENTS:
+        if start == "memory" and memory is None:
+            memory = manager.build_memory("user-profile", CHAT_MEMORY, system=("assistant", "v1"), tools=CHAT_TOOLS)
+        started = time.perf_counter()
+        session = _agent_session(manager, start, sessions["main"][0] if sessions else None, memory)
+        reused = session.prefill_reused if start != "fork of main" else len(session.token_ids)
+        session.append(SegmentKind.USER, "question", question)
+        before_reply = time.perf_counter()
+        session.generate(new_tokens)
+        timings[name] = before_reply - started + (session.last_reply["ttft_s"] or 0.0)
+        sessions[name] = (session, reused)
+    rows = []
+    for name, start, question in CHAT_AGENTS:
+        session, reused = sessions[name]
+        rows.append(
+            {
+                "agent": name,
+                "starts from": start,
+                "question": question,
+                "answer": session.messages[-1]["content"],
+                "prompt tokens": session.last_reply["prompt_tokens"],
+                "reused tokens": reused,
+                "blocks shared": session.blocks_shared(),
+                "TTFT ms": timings[name] * 1e3,
+                "new tokens": session.last_reply["new_tokens"],
+            }
+        )
+    manager.kv.check()
+    return {"rows": rows, "sessions": {k: v[0] for k, v in sessions.items()}, "manager": manager}
+
+
+def chat_main(args: argparse.Namespace) -> None:
+    """``--model NAME``: the real-model multi-agent demo."""
+    from transformers import AutoTokenizer
+
+    from memos_ref.model import pretrained_path
+
+    path = pretrained_path(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model = load_model(path)
+    new_tokens = min(args.new_tokens, 24) if args.new_tokens == 160 else args.new_tokens  # 160: the default's
+    result = run_chat_demo(model, tokenizer, new_tokens=new_tokens, fingerprint=f"{args.model}@{path.name}")
+    tools = ", ".join(t["function"]["name"] for t in CHAT_TOOLS)
+    print(f"{args.model}: system prompt {CHAT_SYSTEM!r}; tools: {tools}; memory: {CHAT_MEMORY!r}\n")
+    for row in result["rows"]:
+        print(f"[{row['agent']}, {row['starts from']}] {row['question']}\n    -> {row['answer']}")
+    columns = ["agent", "starts from", "prompt tokens", "reused tokens", "blocks shared", "TTFT ms", "new tokens"]
+    print("\n" + format_table(result["rows"], columns))
+    manager = result["manager"]
+    active = manager.kv.allocator.num_active
+    held = sum(len(s.cache.sequences[0].block_table) for s in result["sessions"].values())
+    print(
+        f"\nblocks in use: {active} for {len(result['rows'])} agents and one memory (their tables list "
+        f"{held}: the rest are shared); block = {manager.spec.block_size} tokens, "
+        f"{manager.spec.bytes_per_block / 1024:.0f} KiB of fp32 K/V"
+    )
+    if args.check:
+        _check_against_transformers(args.model, result)
+
+
+def _check_against_transformers(name: str, result: dict[str, Any]) -> None:
+    """Each agent's tokens against transformers' greedy ``generate`` with a ``DynamicCache``."""
+    from transformers import DynamicCache
+
+    from memos_ref.model import load_pretrained
+
+    _, hf = load_pretrained(name)
+    for agent, session in result["sessions"].items():
+        reply = session.segment_list[-1]
+        prompt = session.token_ids[: session.last_reply["prompt_tokens"]]
+        n = session.last_reply["new_tokens"]
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([prompt]), cache=DynamicCache(), max_new_tokens=n, do_sample=False)
+        same = out[0, len(prompt) :].tolist() == session.token_ids[len(prompt) : len(prompt) + n]
+        print(f"{agent}: same tokens as transformers generate (DynamicCache): {same}  [{reply.start}, {reply.stop})")
+
+
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new-tokens", type=int, default=160)
+    parser.add_argument("--new-tokens", type=int, default=160, help="new tokens (default 160; 24 with --model)")
     parser.add_argument("--prompt", default=PROMPT)
+    parser.add_argument("--model", default=None, help="a real chat model, e.g. smollm2-135m-instruct")
+    parser.add_argument("--check", action="store_true", help="with --model: compare with transformers generate")
     args = parser.parse_args(argv)
+    if args.model is not None:
+        chat_main(args)
+        return
     from transformers import DynamicCache, StaticCache
 
     tok = ByteTokenizer()

@@ -35,7 +35,7 @@ QUESTIONS = [
     "What color is the sky on a clear day?",
     "Name one planet of the solar system.",
 ]
-MEMORY = "Memory: the user's name is Ada and she lives in Lyon."
+MEMORY = "Known facts about the user: name Ada; pet a cat named Tom."
 NEW_TOKENS = 12
 
 
@@ -175,9 +175,9 @@ def test_real_chat_memory_injection_equals_the_memory_in_the_prompt(smollm2, man
     stored = [t.clone() for t in memory.cache.sequences[0].to_dense(0)]
     session = manager.new_session(memories=[memory])
     assert session.prefill_reused == len(memory.token_ids) and session.prefill_computed == 0
-    session.append(SegmentKind.USER, "q", "What is my name?")
+    session.append(SegmentKind.USER, "q", "What is the name of my cat?")
     reply = session.generate(NEW_TOKENS)
-    prompt = codec.prompt_ids(_messages(("system", MEMORY), ("user", "What is my name?")), TOOLS)
+    prompt = codec.prompt_ids(_messages(("system", MEMORY), ("user", "What is the name of my cat?")), TOOLS)
     assert session.token_ids[: len(prompt)] == prompt
     assert reply == codec.decode(_hf_generate(hf, prompt))
     assert all(torch.equal(a, b) for a, b in zip(stored, memory.cache.sequences[0].to_dense(0)))
@@ -215,3 +215,23 @@ def test_real_chat_engine_equals_transformers_generate_and_reuses_the_shared_pre
     assert common > len(codec.prompt_ids(_messages(), TOOLS, add_generation_prompt=False))
     assert second.stats.reused_tokens == common // 16 * 16  # every full block of the common prefix
     kv.check()
+
+
+def test_real_chat_demo_agents_share_blocks_and_answer_as_transformers_does(smollm2, smollm2_forward):
+    from memos_ref.demo import CHAT_AGENTS, run_chat_demo
+
+    tok, hf = smollm2
+    result = run_chat_demo(smollm2_forward, tok, new_tokens=4, fingerprint="test-smollm2-demo")
+    rows = {row["agent"]: row for row in result["rows"]}
+    assert list(rows) == [name for name, _, _ in CHAT_AGENTS]
+    assert rows["main"]["reused tokens"] == 0  # the first agent computes the system prompt and tools
+    for name, row in rows.items():
+        session = result["sessions"][name]
+        prompt = session.token_ids[: row["prompt tokens"]]
+        expected = _hf_generate(hf, prompt, 4)
+        assert session.token_ids[len(prompt) : len(prompt) + len(expected)] == expected
+        assert row["answer"] == tok.decode(expected, skip_special_tokens=True)
+        assert row["blocks shared"] > 0 and row["TTFT ms"] > 0
+        if name != "main":
+            assert row["reused tokens"] >= 16 * 5  # at least the system prompt's and tools' full blocks
+    result["manager"].kv.check()
