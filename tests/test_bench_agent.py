@@ -56,3 +56,17 @@ def test_human_output_says_which_figures_are_geometry_only():
     assert "chat: peak KV 3.5 MiB with reuse vs 7.0 MiB without; prefill KV not recomputed 15.4 MiB" in text
     # the summary line of the shipped run keeps its old form (no nested geometry dicts in it)
     assert "chat: prefill_tokens_saved_fraction=0.700" in text.splitlines()
+
+
+def test_quick_skips_the_real_weights_case_and_says_why():
+    case = agent._real_weights_case(quick=True)
+    assert case["ran"] is False and "--model smollm2-135m-instruct" in case["why"]
+    text = agent.human({"config": {}, "results": [], "summary": {f"{agent.REAL_NAME}_real_weights": case}})
+    assert "real weights: not run" in text
+
+
+def test_real_weights_agents_refuses_a_bad_agent_count():
+    with pytest.raises(ConfigError, match="agents must be"):
+        agent.real_weights_agents(None, None, agents=0)
+    with pytest.raises(ConfigError, match="agents must be"):
+        agent.real_weights_agents(None, None, agents=len(agent.REAL_TASKS) + 1)

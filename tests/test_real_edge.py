@@ -258,3 +258,19 @@ def test_bench_agent_real_geometry_is_the_converted_models(smollm2_path):
     src = json.loads((smollm2_path / "config.json").read_text())
     spec = KVSpec.from_hf_config(src, dtype="float16", block_size=REAL_GEOMETRY.block_size)
     assert spec == REAL_GEOMETRY and spec.bytes_per_token == 23_040
+
+
+def test_bench_agent_real_weights_agents_share_the_system_prompt(smollm2_forward, smollm2):
+    from memos_ref.bench.agent import human, real_weights_agents
+
+    tok, _ = smollm2
+    case = real_weights_agents(smollm2_forward, tok, agents=2, max_new_tokens=3, blocks=64)
+    w, wo = case["with_reuse"], case["without"]
+    assert w["prompt_tokens"] == wo["prompt_tokens"] and wo["reused_tokens"] == 0
+    # each sub-agent reuses at least the system prompt's whole blocks (the main agent cached them)
+    whole = case["system_prompt_tokens"] // 16 * 16
+    assert whole >= 32 and w["reused_tokens"] >= whole
+    assert w["peak_blocks"] <= wo["peak_blocks"]
+    assert len(case["replies"]) == 2 and all(isinstance(r, str) for r in case["replies"])
+    summary = {"smollm2-135m-instruct_real_weights": {"ran": True, **case}}
+    assert "REAL WEIGHTS, 2 agents" in human({"config": {}, "results": [], "summary": summary})

@@ -19,6 +19,11 @@ Two KV geometries are reported side by side (``config["geometries"]``):
   with its weights here (30 layers on 2 CPU cores would make even ``--quick`` take many minutes), and the
   token streams are the byte-level tokenizer's: SmolLM2's BPE tokenizer turns the same text into fewer tokens,
   so these are the real geometry applied to these traces, not a run of the real model.
+
+The real weights run in one smaller case, ``summary["smollm2-135m-instruct_real_weights"]`` (without
+``--quick``, or with ``--model smollm2-135m-instruct``): a main agent and three sub-agents over one system
+prompt with tools, rendered by the model's chat template, through the engine with and without prefix caching
+(:func:`real_weights_agents`; identical greedy outputs checked, replies decoded).
 """
 
 from __future__ import annotations
@@ -144,10 +149,109 @@ def _geometry(spec: KVSpec, drives: str) -> dict[str, Any]:
     }
 
 
+#: The real-weights scenario: one system prompt with tools, a main agent and sub-agents with their own tasks.
+REAL_SYSTEM = (
+    "You are the lead engineer of a small team. You split work into clear tasks, give each helper one task, and "
+    "check their answers. Tools: read_file(path), run_tests(name), search(query). Answer briefly."
+)
+REAL_TASKS = (
+    "Plan the work: list the three steps to add a cache to our web server.",
+    "Helper 1: explain in one sentence what a least-recently-used cache evicts.",
+    "Helper 2: name one risk of caching user-specific pages.",
+    "Helper 3: suggest a test that shows the cache returns fresh data after an update.",
+)
+
+
+def real_weights_agents(
+    forward: Any, tokenizer: Any, *, agents: int = 4, max_new_tokens: int = 16, blocks: int = 128
+) -> dict[str, Any]:
+    """A main agent and sub-agents on the **real weights** (the package's forward on SmolLM2-135M-Instruct):
+    each prompt is the chat template over the shared system prompt and the agent's own task, all submitted at
+    once to an :class:`Engine`, with a prefix-caching pool and without. Greedy outputs must be identical both
+    ways. Returns per-mode prompt and reused tokens, peak blocks, median TTFT and the replies' text."""
+    if not 1 <= agents <= len(REAL_TASKS):
+        raise ConfigError(f"agents must be in 1..{len(REAL_TASKS)}, got {agents}")
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "system", "content": REAL_SYSTEM}, {"role": "user", "content": task}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        for task in REAL_TASKS[:agents]
+    ]
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    stop = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
+    modes: dict[str, Any] = {}
+    for reuse in (True, False):
+        kv = PagedKV(forward.kv_spec(block_size=BLOCK_SIZE), blocks, prefix_caching=reuse)
+        engine = Engine(forward, kv, max_batch=agents)
+        # the main agent first (its prefill caches the system prompt), then the sub-agents together
+        started = time.perf_counter()
+        requests = [engine.submit(Request(list(ids[0]), max_new_tokens, stop_ids=stop))]
+        engine.step()
+        requests += [engine.submit(Request(list(p), max_new_tokens, stop_ids=stop)) for p in ids[1:]]
+        peak = kv.allocator.num_active
+        while not all(r.finished for r in requests):
+            engine.step()
+            peak = max(peak, kv.allocator.num_active)
+        elapsed = time.perf_counter() - started
+        if any(r.failed for r in requests):
+            raise AssertionError(f"real-weights agents: a request failed: {[r.error for r in requests]}")
+        modes["with_reuse" if reuse else "without"] = {
+            "prompt_tokens": sum(r.stats.prompt_tokens for r in requests),
+            "reused_tokens": sum(r.stats.reused_tokens for r in requests),
+            "peak_blocks": peak,
+            "ttft_median_s": statistics.median(r.stats.ttft_s for r in requests),
+            "seconds": elapsed,
+            "outputs": [r.output for r in requests],
+        }
+        kv.check()
+    if modes["with_reuse"]["outputs"] != modes["without"]["outputs"]:
+        raise AssertionError("real-weights agents: outputs differ with and without reuse")
+    replies = [tokenizer.decode(o, skip_special_tokens=True) for o in modes["with_reuse"]["outputs"]]
+    for m in modes.values():
+        m.pop("outputs")
+    return {
+        "model": REAL_NAME,
+        "weights": "real (package forward, fp32)",
+        "agents": agents,
+        "system_prompt_tokens": len(
+            tokenizer(tokenizer.apply_chat_template([{"role": "system", "content": REAL_SYSTEM}], tokenize=False))[
+                "input_ids"
+            ]
+        ),
+        "max_new_tokens": max_new_tokens,
+        **modes,
+        "replies": replies,
+    }
+
+
+def _real_weights_case(quick: bool) -> dict[str, Any]:
+    """The real-weights scenario, or why it did not run (``--quick``, or the model is not available)."""
+    if quick:
+        return {
+            "ran": False,
+            "why": "--quick without --model smollm2-135m-instruct: geometry only (its forward is slow on a CPU)",
+        }
+    from transformers import AutoTokenizer
+
+    from memos_ref.errors import ModelUnavailableError
+    from memos_ref.model import load_model, pretrained_path
+
+    try:
+        path = pretrained_path(REAL_NAME, download=False)
+    except ModelUnavailableError as exc:
+        return {"ran": False, "why": f"model unavailable: {exc}"}
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    forward = load_model(path)
+    return {"ran": True, **real_weights_agents(forward, tokenizer)}
+
+
 def run(quick: bool = False, progress: bool = True, model: str | None = None) -> dict[str, Any]:
-    """Replay the three traces with and without reuse (see the module docstring). ``model`` may name
-    ``"shipped"`` or ``"smollm2-135m-instruct"``; both geometries are reported either way, and the forward is
-    always the shipped model's (the real model's figures are geometry only)."""
+    """Replay the three traces with and without reuse (see the module docstring). The traces always run on the
+    shipped model, with both geometries reported. The real-weights agents case (:func:`real_weights_agents`)
+    runs without ``quick``, or with it when ``model="smollm2-135m-instruct"`` asks for it
+    (``python -m memos_ref.bench agent --quick --model smollm2-135m-instruct``)."""
     from memos_ref.model import load_model
 
     if model not in (None, "shipped", REAL_NAME):
@@ -190,6 +294,8 @@ def run(quick: bool = False, progress: bool = True, model: str | None = None) ->
             },
             "real_geometry_prefill_kv_bytes_not_recomputed": real_with["prefill_kv_bytes_reused"],
         }
+    real_case = _real_weights_case(quick and model != REAL_NAME)
+    summary[f"{REAL_NAME}_real_weights"] = real_case
     config = {
         "scale": scale,
         "pool_blocks": blocks,
@@ -198,7 +304,7 @@ def run(quick: bool = False, progress: bool = True, model: str | None = None) ->
         "model": "shipped",
         "forward": "package",
         "closed_loop": True,
-        "real_weights": False,
+        "real_weights": real_case["ran"],  # only the summary's smollm2-135m-instruct_real_weights case
         "geometries": {
             "shipped": _geometry(model.kv_spec(block_size=BLOCK_SIZE), "real forward: tokens, timings, blocks"),
             REAL_NAME: _geometry(
@@ -224,7 +330,8 @@ def human(report: dict[str, Any]) -> str:
         "preemptions",
     ]
     lines = [format_table(report["results"], cols), ""]
-    for name, figures in report["summary"].items():
+    traces = {n: f for n, f in report["summary"].items() if "prefill_tokens_saved_fraction" in f}
+    for name, figures in traces.items():
         lines.append(
             f"{name}: "
             + ", ".join(
@@ -243,7 +350,7 @@ def human(report: dict[str, Any]) -> str:
             "block and token counts above (shipped model, byte tokens) priced at the real model's KV size; "
             "no forward with its weights",
         ]
-        for name, figures in report["summary"].items():
+        for name, figures in traces.items():
             peak = figures.get("real_geometry_peak_kv_bytes")
             if peak is None:
                 continue
@@ -252,6 +359,20 @@ def human(report: dict[str, Any]) -> str:
                 f"{name}: peak KV {peak['with_reuse'] / MIB:.1f} MiB with reuse vs {peak['without'] / MIB:.1f} MiB "
                 f"without; prefill KV not recomputed {saved / MIB:.1f} MiB"
             )
+    real = report["summary"].get(f"{REAL_NAME}_real_weights")
+    if real is not None:
+        lines.append("")
+        if not real.get("ran"):
+            lines.append(f"{REAL_NAME} real weights: not run ({real.get('why')})")
+        else:
+            w, wo = real["with_reuse"], real["without"]
+            lines.append(
+                f"{REAL_NAME} REAL WEIGHTS, {real['agents']} agents over one {real['system_prompt_tokens']}-token "
+                f"system prompt: prompt tokens {w['prompt_tokens']}, reused {w['reused_tokens']} with reuse vs "
+                f"{wo['reused_tokens']} without; peak blocks {w['peak_blocks']} vs {wo['peak_blocks']}; "
+                f"median TTFT {w['ttft_median_s']:.3f} s vs {wo['ttft_median_s']:.3f} s (identical outputs)"
+            )
+            lines += [f"  reply {i}: {text!r}" for i, text in enumerate(real["replies"])]
     return "\n".join(lines)
 
 
@@ -261,7 +382,7 @@ def plot(report: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(report["summary"])
+    names = [n for n, f in report["summary"].items() if "prefill_tokens_saved_fraction" in f]
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.25
     for i, key in enumerate(("prefill_tokens_saved_fraction", "peak_blocks_ratio", "ttft_ratio_median")):
