@@ -70,3 +70,12 @@ def test_real_weights_agents_refuses_a_bad_agent_count():
         agent.real_weights_agents(None, None, agents=0)
     with pytest.raises(ConfigError, match="agents must be"):
         agent.real_weights_agents(None, None, agents=len(agent.REAL_TASKS) + 1)
+
+
+def test_model_option_asks_for_the_real_weights_even_under_quick():
+    # regression: run() rebound its ``model`` argument to the shipped forward before deciding, so
+    # ``bench agent --quick --model smollm2-135m-instruct`` silently skipped the real weights
+    assert agent.wants_real_weights(quick=True, model=agent.REAL_NAME)
+    assert not agent.wants_real_weights(quick=True, model=None)
+    assert not agent.wants_real_weights(quick=True, model="shipped")
+    assert agent.wants_real_weights(quick=False, model=None)

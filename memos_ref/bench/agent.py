@@ -43,7 +43,16 @@ from memos_ref.paged import PagedKV
 from memos_ref.spec import KVSpec
 from memos_ref.traces import SYSTEM_PROMPTS, TRACES, TraceEvent, make_trace
 
-__all__ = ["REAL_GEOMETRY", "human", "plot", "real_geometry_figures", "replay_through_engine", "run"]
+__all__ = [
+    "REAL_GEOMETRY",
+    "human",
+    "plot",
+    "real_geometry_figures",
+    "real_weights_agents",
+    "replay_through_engine",
+    "run",
+    "wants_real_weights",
+]
 
 BLOCK_SIZE = 16
 #: SmolLM2-135M-Instruct's KV geometry (its config.json: 30 layers, 3 KV heads of 64 for 9 query heads), fp16.
@@ -247,6 +256,11 @@ def _real_weights_case(quick: bool) -> dict[str, Any]:
     return {"ran": True, **real_weights_agents(forward, tokenizer)}
 
 
+def wants_real_weights(quick: bool, model: str | None) -> bool:
+    """Whether ``run`` includes the real-weights case: always without ``quick``; with it only when asked for."""
+    return not quick or model == REAL_NAME
+
+
 def run(quick: bool = False, progress: bool = True, model: str | None = None) -> dict[str, Any]:
     """Replay the three traces with and without reuse (see the module docstring). The traces always run on the
     shipped model, with both geometries reported. The real-weights agents case (:func:`real_weights_agents`)
@@ -256,19 +270,20 @@ def run(quick: bool = False, progress: bool = True, model: str | None = None) ->
 
     if model not in (None, "shipped", REAL_NAME):
         raise ConfigError(f"bench agent: model must be 'shipped' or {REAL_NAME!r}, got {model!r}")
-    model = load_model()
+    run_real = wants_real_weights(quick, model)
+    forward = load_model()  # the shipped model drives the traces
     scale, blocks = (0.34, 2048) if quick else (1.0, 4096)
     results, summary = [], {}
     for name in tqdm(TRACES, desc="bench agent", disable=not progress):
         trace = make_trace(name, scale=scale)
         rows = {}
         for reuse in (True, False):
-            kv = PagedKV(model.kv_spec(block_size=BLOCK_SIZE), blocks, prefix_caching=reuse)
-            rows[reuse] = replay_through_engine(trace, model, kv)
+            kv = PagedKV(forward.kv_spec(block_size=BLOCK_SIZE), blocks, prefix_caching=reuse)
+            rows[reuse] = replay_through_engine(trace, forward, kv)
             kv.check()
         if rows[True]["outputs"] != rows[False]["outputs"]:
             raise AssertionError(f"trace {name}: outputs differ with and without reuse")
-        shipped = model.kv_spec(block_size=BLOCK_SIZE)
+        shipped = forward.kv_spec(block_size=BLOCK_SIZE)
         for reuse, row in rows.items():
             real = real_geometry_figures(row)
             results.append(
@@ -294,7 +309,7 @@ def run(quick: bool = False, progress: bool = True, model: str | None = None) ->
             },
             "real_geometry_prefill_kv_bytes_not_recomputed": real_with["prefill_kv_bytes_reused"],
         }
-    real_case = _real_weights_case(quick and model != REAL_NAME)
+    real_case = _real_weights_case(quick=not run_real)
     summary[f"{REAL_NAME}_real_weights"] = real_case
     config = {
         "scale": scale,
@@ -306,7 +321,7 @@ def run(quick: bool = False, progress: bool = True, model: str | None = None) ->
         "closed_loop": True,
         "real_weights": real_case["ran"],  # only the summary's smollm2-135m-instruct_real_weights case
         "geometries": {
-            "shipped": _geometry(model.kv_spec(block_size=BLOCK_SIZE), "real forward: tokens, timings, blocks"),
+            "shipped": _geometry(forward.kv_spec(block_size=BLOCK_SIZE), "real forward: tokens, timings, blocks"),
             REAL_NAME: _geometry(
                 REAL_GEOMETRY,
                 "geometry only: the shipped run's block and token counts x this model's KV bytes per token; "
