@@ -208,9 +208,10 @@ def load_trace(path: str | Path) -> list[TraceEvent]:
 
 
 def replay(events: Iterable[TraceEvent], manager: Any) -> dict[str, Any]:
-    """Run a trace through a :class:`~memos_ref.session.SessionManager`; returns counts for benchmarks."""
-    from memos_ref.session import SegmentKind
+    """Run a trace through a :class:`~memos_ref.session.SessionManager`; returns counts for benchmarks.
 
+    The manager is duck-typed (this module sits below the session layer and imports nothing from it): segment
+    kinds are passed by their string values, which ``CacheSession.append`` accepts."""
     for (name, version), text in SYSTEM_PROMPTS.items():
         if (name, version) not in manager.system_prompts:
             manager.register_system_prompt(name, version, text)
@@ -223,8 +224,7 @@ def replay(events: Iterable[TraceEvent], manager: Any) -> dict[str, Any]:
         elif event.kind == "fork":
             (sessions[event.session],) = sessions[event.parent].fork(1)
         elif event.kind in ("user", "tool_result"):
-            kind = SegmentKind.USER if event.kind == "user" else SegmentKind.TOOL_RESULT
-            sessions[event.session].append(kind, f"{event.kind}@{event.t:.3f}", event.text)
+            sessions[event.session].append(event.kind, f"{event.kind}@{event.t:.3f}", event.text)
         elif event.kind == "generate":
             sessions[event.session].generate(event.max_new_tokens)
             generated += event.max_new_tokens
