@@ -142,7 +142,7 @@ def chat_main(args: argparse.Namespace) -> None:
     active = manager.kv.allocator.num_active
     held = sum(len(s.cache.sequences[0].block_table) for s in result["sessions"].values())
     print(
-        f"\nblocks in use: {active} for {len(result['rows'])} agents and one memory (their tables list "
+        f"\nblocks in use: {active} for {len(result['rows'])} agents and one memory (the agents' block tables list "
         f"{held}: the rest are shared); block = {manager.spec.block_size} tokens, "
         f"{manager.spec.bytes_per_block / 1024:.0f} KiB of fp32 K/V"
     )
