@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ from memos_ref.errors import (
     ShapeError,
     check_type,
 )
+from memos_ref.paged.pool import gather_blocks
 
 if TYPE_CHECKING:
     from memos_ref.paged.sequence import SequenceCache
@@ -159,21 +161,48 @@ def dense_attention(
     return out.reshape(hq, nq, d)
 
 
+_scratch = threading.local()  # per thread: reusable buffers for gathers whose results never leave this module
+
+
+def _scratch_buffer(slot: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``shape`` tensor of ``like``'s dtype and device from this thread's scratch ``slot``, valid until
+    the slot's next use (grown by doubling: decode steps reuse the same pages instead of faulting in new ones)."""
+    numel = math.prod(shape)
+    key = (slot, like.dtype, like.device)
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor: writable both inside and outside inference mode
+            buf = buffers[key] = like.new_empty(max(numel, 2 * (buf.numel() if buf is not None else 0)))
+    return buf[:numel].view(shape)
+
+
 def gather_kv(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    *,
+    reuse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense ``[H, seq_len, D]`` K and V of one sequence from ``[num_blocks, H, T, D]`` caches.
 
-    One copy of the sequence's own blocks, whatever the pool's size: the block dimension is indexed (advanced
-    indexing reads only the selected ``[H, T, D]`` blocks of the strided per-layer view) straight into
-    ``[H, n, T, D]`` order, whose ``[H, n·T, D]`` reshape is a view. (``index_select`` on the permuted view
-    instead copied the whole pool's layer first: 142 ms for 4,096 tokens in a 4,096-block pool.)
+    One copy of the sequence's own blocks, whatever the pool's size (:func:`~memos_ref.paged.pool.gather_blocks`:
+    a strided copy per run of consecutive block ids) into ``[H, n, T, D]`` order, whose ``[H, n·T, D]`` reshape
+    is a view. (``index_select`` on the permuted per-layer view instead made the whole layer of the pool
+    contiguous first: 142 ms for 4,096 tokens in a 4,096-block pool.) ``reuse=True`` fills this thread's scratch
+    buffers instead of new tensors: the results are valid only until the next ``reuse`` gather in this thread.
     """
     t = key_cache.shape[2]
-    blocks = block_table[: -(-seq_len // t)].to(key_cache.device)
+    blocks = block_table[: -(-seq_len // t)].tolist()
     h, d = key_cache.shape[1], key_cache.shape[3]
-    k = key_cache.permute(1, 0, 2, 3)[:, blocks].reshape(h, -1, d)[:, :seq_len]  # [H, n, T, D] -> [H, S, D]
-    v = value_cache.permute(1, 0, 2, 3)[:, blocks].reshape(h, -1, d)[:, :seq_len]
+    shape = (h, len(blocks), t, d)
+    k_out = _scratch_buffer("k", shape, key_cache) if reuse else None
+    v_out = _scratch_buffer("v", shape, value_cache) if reuse else None
+    k = gather_blocks(key_cache, blocks, k_out).reshape(h, -1, d)[:, :seq_len]  # [H, n, T, D] -> [H, S, D]
+    v = gather_blocks(value_cache, blocks, v_out).reshape(h, -1, d)[:, :seq_len]
     return k, v
 
 
@@ -248,7 +277,7 @@ def paged_attention(
             continue
         if nq_i > n or nq_i > nq:
             raise ShapeError(f"sequence {i}: {nq_i} queries but {n} tokens (and Q={nq})")
-        k, v = gather_kv(key_cache, value_cache, block_tables[i], n)
+        k, v = gather_kv(key_cache, value_cache, block_tables[i], n, reuse=True)  # used here only
         row_mask = None if mask is None else mask[i if mask.shape[0] > 1 else 0, :, :nq_i, :n]
         out[i, :, :nq_i] = dense_attention(
             query[i, :, :nq_i],

@@ -88,3 +88,35 @@ def test_gather_kv_equals_a_per_block_reference(big_pool):
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
     pool_k, pool_v = big_pool.gather(0, TABLE, SEQ_LEN)
     assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
+
+
+def test_scattered_table_takes_one_indexed_copy_and_stays_bounded(big_pool):
+    """More runs than the run-copy path takes: index_select over the block dimension, then one re-layout —
+    still only the sequence's bytes, and equal to the per-block reference."""
+    table = torch.randperm(BIG, generator=torch.Generator().manual_seed(3))[:40]  # 40 scattered blocks
+    seq_len = 40 * SPEC.block_size - 3
+    view = big_pool.layer_view(1)
+    k, _v = gather_kv(view[:, 0], view[:, 1], table, seq_len)
+    want = torch.cat([view[b, 0] for b in table.tolist()], dim=1)[:, :seq_len]
+    assert torch.equal(k, want)
+    seq_bytes = 40 * SPEC.num_kv_heads * SPEC.block_size * SPEC.head_dim * 4
+    largest = _largest_allocation(lambda: gather_kv(view[:, 0], view[:, 1], table, seq_len))
+    assert largest <= seq_bytes
+
+
+def test_reused_gather_equals_a_fresh_one(big_pool):
+    """paged_attention gathers into per-thread scratch buffers (decode steps reuse their pages)."""
+    view = big_pool.layer_view(0)
+    fresh = [t.clone() for t in gather_kv(view[:, 0], view[:, 1], TABLE, SEQ_LEN)]
+    reused = gather_kv(view[:, 0], view[:, 1], TABLE, SEQ_LEN, reuse=True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, reused))
+    again = gather_kv(view[:, 0], view[:, 1], TABLE[:2], 20, reuse=True)  # the same scratch, a smaller view
+    assert again[0].data_ptr() == reused[0].data_ptr() and torch.equal(again[0], fresh[0][:, :20])
+
+
+def test_reused_gather_works_in_and_out_of_inference_mode(big_pool):
+    view = big_pool.layer_view(2)
+    with torch.inference_mode():
+        inside = gather_kv(view[:, 0], view[:, 1], TABLE, SEQ_LEN, reuse=True)[0].clone()
+    outside = gather_kv(view[:, 0], view[:, 1], TABLE, SEQ_LEN, reuse=True)[0]  # the scratch made above
+    assert torch.equal(inside, outside)

@@ -29,7 +29,16 @@ from memos_ref.errors import (
 )
 from memos_ref.spec import KVSpec
 
-__all__ = ["POISON", "BlockPool", "check_block_id", "check_block_table", "check_kv", "check_layer", "check_slots"]
+__all__ = [
+    "POISON",
+    "BlockPool",
+    "check_block_id",
+    "check_block_table",
+    "check_kv",
+    "check_layer",
+    "check_slots",
+    "gather_blocks",
+]
 
 #: Value written into freed blocks in debug mode, so a use-after-free shows as NaN in the output.
 POISON = float("nan")
@@ -72,6 +81,46 @@ def check_slots(slots: object, n: int, num_blocks: int, block_size: int) -> torc
         bad = slots[(slots < -1) | (slots >= limit)][:4].tolist()
         raise InvalidArgumentError(f"slots: expected -1 (skip) or a slot in [0, {limit}), got {bad}")
     return slots
+
+
+def _runs(blocks: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive ids in ``blocks``: ``(first id, past-the-last id, position in blocks)``."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(blocks):
+        if runs and b == runs[-1][1]:
+            runs[-1] = (runs[-1][0], b + 1, runs[-1][2])
+        else:
+            runs.append((b, b + 1, pos))
+    return runs
+
+
+def gather_blocks(cache: torch.Tensor, blocks: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Blocks ``blocks`` of ``cache [N, *lead, T, D]`` (a strided per-layer view of the pool is fine) as a new
+    ``[*lead, n, T, D]`` tensor, whose ``[*lead, n·T, D]`` reshape is a view.
+
+    Only the blocks' own bytes are read, in one strided copy per run of consecutive ids (a freshly filled pool
+    gives one run); a scattered table takes one ``index_select`` over the block dimension and one re-layout
+    copy instead. Either way the cost follows ``n``, never ``N`` (``index_select`` on a permuted view, or
+    advanced indexing, made the whole layer contiguous first or ran ~10x slower per byte). ``out``: a
+    contiguous tensor of that shape to fill instead of a new one (a fresh multi-MiB tensor costs its page
+    faults, often more than the copy itself).
+    """
+    lead = tuple(cache.shape[1:-2])
+    k = len(lead)
+    order = (*range(1, k + 1), 0, k + 1, k + 2)  # [n, *lead, T, D] -> [*lead, n, T, D]
+    shape = (*lead, len(blocks), *cache.shape[-2:])
+    if out is None:
+        out = cache.new_empty(shape)
+    elif tuple(out.shape) != shape or not out.is_contiguous():
+        raise ShapeError(f"out: expected a contiguous {shape}, got {tuple(out.shape)}")
+    runs = _runs(blocks)
+    if len(runs) > max(8, len(blocks) // 8):
+        index = torch.tensor(blocks, dtype=torch.long, device=cache.device)
+        out.copy_(cache.index_select(0, index).permute(order))
+        return out
+    for first, stop, pos in runs:
+        out[..., pos : pos + stop - first, :, :] = cache[first:stop].permute(order)
+    return out
 
 
 def _slot_list(slots: object, n: int, limit: int) -> list[int]:
@@ -282,18 +331,17 @@ class BlockPool:
     def gather(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``num_tokens`` keys and values of a sequence, densely: ``[H, num_tokens, D]`` each.
 
-        One copy: the layer's blocks are selected straight into ``[2, H, n, T, D]`` order, whose
+        One copy of the sequence's own blocks (:func:`gather_blocks`) into ``[2, H, n, T, D]`` order, whose
         ``[2, H, n·T, D]`` reshape is a view.
         """
         layer = check_layer(self.spec, layer)
         block_table, num_tokens = check_block_table(block_table, self.num_blocks, num_tokens, self.spec.block_size)
         n_blocks = -(-num_tokens // self.spec.block_size)
-        blocks = block_table[:n_blocks].to(self.device)
         h, t, d = self.spec.num_kv_heads, self.spec.block_size, self.spec.head_dim
         if len(self.segments) == 1:
-            by_head = self.segments[0][:, layer].permute(1, 2, 0, 3, 4)  # view [2, H, N, T, D]
-            kv = by_head.index_select(2, blocks)  # [2, H, n, T, D], contiguous
+            kv = gather_blocks(self.segments[0][:, layer], block_table[:n_blocks].tolist())  # [2, H, n, T, D]
         else:
+            blocks = block_table[:n_blocks].to(self.device)
             kv = torch.empty((2, h, n_blocks, t, d), dtype=self.spec.dtype, device=self.device)
             for seg, where, local in self._index(blocks):
                 kv[:, :, where] = seg[local, layer].permute(1, 2, 0, 3, 4)
