@@ -18,6 +18,7 @@ from memos_ref.quant import KIVI, PerTokenInt8
 from memos_ref.quant.accuracy import (
     capture_kv,
     channel_outlier_ratio,
+    evaluate,
     heldout_prose,
     make_kv,
     prose_token_ids,
@@ -157,3 +158,21 @@ def test_bench_model_option_is_refused_where_unsupported(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["quant", "--model", "no-such-model", "--quick"])
     assert exc.value.code == 2 and "expected one of" in capsys.readouterr().err
+
+
+def test_evaluate_counts_the_residual_window_at_fp16():
+    """Bytes per token are read while the measured sequence still holds its blocks: with a 256-token residual
+    window over 512 tokens (blocks of 32), 8 blocks are staged at fp16 and 8 sealed to int8 (the shipped
+    model: no download). Before the fix the cache was dropped first, its window released, and aging looked
+    as small as int8 everywhere."""
+    from memos_ref.model import load_model, shipped_model_dir
+
+    model = load_model()
+    corpus = (shipped_model_dir().parent / "data" / "heldout_stdlib.txt").read_bytes()
+    ids = torch.tensor([list(corpus[:512])])
+    fp16 = model.kv_spec().bytes_per_token / 2
+    int8 = evaluate(model, ids, PerTokenInt8(), generate_tokens=0)
+    aging = evaluate(model, ids, PerTokenInt8(), generate_tokens=0, residual_tokens=256)
+    assert aging["pool_stats"]["staged_blocks"] == 8
+    assert aging["bytes_per_token"] == pytest.approx((8 * int8["bytes_per_token"] + 8 * fp16) / 16)
+    assert "greedy_agreement" not in aging and "logp" in aging  # generate_tokens=0: teacher-forced only

@@ -78,9 +78,13 @@ def make_kv(model: Any, num_tokens: int, scheme: Quantizer | None, **kwargs: Any
 
 
 @torch.no_grad()
-def teacher_forced_logits(model: Any, ids: torch.Tensor, kv: PagedKV, chunk: int = 64) -> torch.Tensor:
-    """Logits ``[S, V]`` for ``ids [1, S]`` fed through a PagedCache over ``kv`` in chunks."""
-    cache = PagedCache(kv)
+def teacher_forced_logits(
+    model: Any, ids: torch.Tensor, kv: PagedKV, chunk: int = 64, cache: PagedCache | None = None
+) -> torch.Tensor:
+    """Logits ``[S, V]`` for ``ids [1, S]`` fed through a PagedCache over ``kv`` in chunks (``cache``: one the
+    caller keeps, to read the pool while the sequence still holds its blocks; a cache made here is dropped on
+    return, which frees its blocks)."""
+    cache = PagedCache(kv) if cache is None else cache
     out = [model(ids[:, i : i + chunk], cache)[0] for i in range(0, ids.shape[1], chunk)]
     return torch.cat(out).float()
 
@@ -152,7 +156,8 @@ def evaluate(
     check_index("generate_tokens", generate_tokens, lo=0)
     n = ids.shape[1]
     kv = make_kv(model, n, scheme, **pool_kwargs)
-    logits = teacher_forced_logits(model, ids, kv, chunk)  # [S, V]
+    cache = PagedCache(kv)  # kept until the pool is read: its residual window is staged only while it lives
+    logits = teacher_forced_logits(model, ids, kv, chunk, cache)  # [S, V]
     logp = logits.log_softmax(-1)
     nll = -logp[:-1].gather(1, ids[0, 1:, None]).mean().item()
     result: dict[str, Any] = {
@@ -163,6 +168,7 @@ def evaluate(
         "bytes_per_token": _bytes_per_token(kv, n),
         "pool_stats": kv.pool.stats() if hasattr(kv.pool, "stats") else {},
     }
+    cache.free()
     if reference is not None:
         ref_logp = reference["logp"]
         result["kl_mean"] = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean().item()
