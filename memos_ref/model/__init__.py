@@ -22,7 +22,7 @@ import torch
 from memos_ref.errors import check_type
 from memos_ref.model.identity import fingerprint
 from memos_ref.model.llama import LlamaConfig, LlamaForward
-from memos_ref.model.pretrained import PRETRAINED, load_pretrained, pretrained_path
+from memos_ref.model.pretrained import PRETRAINED, load_pretrained, pretrained_fingerprint, pretrained_path
 from memos_ref.model.tokenizer import SPECIAL_TOKENS, ByteTokenizer
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "load_model",
     "load_pretrained",
     "model_fingerprint",
+    "pretrained_fingerprint",
     "pretrained_path",
     "shipped_model_dir",
     "training_report",

@@ -55,6 +55,7 @@ __all__ = [
     "load_pretrained",
     "locate_gguf",
     "main",
+    "pretrained_fingerprint",
     "pretrained_path",
 ]
 
@@ -349,7 +350,10 @@ def _write_manifest(src: PretrainedSource, out: Path) -> None:
         for p in sorted(out.iterdir())
         if p.is_file() and p.name not in (_MANIFEST, _STAMP)
     }
+    from memos_ref.model.identity import fingerprint
+
     manifest = {
+        "fingerprint": fingerprint(out),  # hashes every weight once (~8 s), so loads need not
         "format": _MANIFEST_FORMAT,
         "name": src.name,
         "source": src.requirement,
@@ -405,6 +409,30 @@ def pretrained_path(name: str = "smollm2-135m-instruct", *, download: bool = Tru
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def pretrained_fingerprint(name: str = "smollm2-135m-instruct", *, download: bool = True) -> str:
+    """The converted model's :func:`~memos_ref.model.identity.fingerprint`, computed once at conversion and kept
+    in its manifest — the same id ``fingerprint(model)`` gives for the loaded model by any route, without hashing
+    0.5 GB of weights on every start (pass it as ``fingerprint=`` to ``SessionManager``/``PagedKV``)."""
+    from memos_ref.model.identity import fingerprint
+
+    path = pretrained_path(name, download=download)
+    manifest_path = path / _MANIFEST
+    manifest = json.loads(manifest_path.read_text())  # verified (bounded, parsed) by pretrained_path
+    value = manifest.get("fingerprint")
+    if isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value):
+        return value
+    with _lock(path.parent / ".lock"):  # a conversion made before fingerprints were stored: add it once
+        value = fingerprint(path)
+        manifest["fingerprint"] = value
+        tmp = manifest_path.with_name(f".{_MANIFEST}.tmp")
+        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, manifest_path)
+        files = manifest["files"]
+        with contextlib.suppress(OSError):
+            (path / _STAMP).write_text(json.dumps(_stamp(path, files)))
+    return value
 
 
 def load_pretrained(
