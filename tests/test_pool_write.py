@@ -60,17 +60,16 @@ def test_decode_write_is_a_direct_store():
 @settings(max_examples=40, deadline=None)
 @given(
     slots=st.lists(st.integers(min_value=-1, max_value=16 * 8 - 1), min_size=0, max_size=80, unique=True),
-    as_list=st.booleans(),
     segments=st.sampled_from([1, 3]),
     layer=st.integers(0, 1),
 )
-def test_write_equals_the_token_by_token_reference(slots, as_list, segments, layer):
-    """Runs crossing block boundaries, skipped tokens, both segment layouts, both slot types, and more tokens
-    than DIRECT_WRITE_TOKENS (the indexed path) — all equal the token-by-token reference."""
+def test_write_equals_the_token_by_token_reference(slots, segments, layer):
+    """Runs crossing block boundaries, skipped tokens, both segment layouts, and more tokens than
+    DIRECT_WRITE_TOKENS (the indexed path) — all equal the token-by-token reference."""
     pool, want = BlockPool(SPEC, 16, segments=segments), BlockPool(SPEC, 16, segments=segments)
     slots = sorted(s for s in slots if s >= 0)[:40] + [s for s in slots if s < 0]  # runs, then skips
     key, value = _kv(len(slots), len(slots))
-    pool.write(layer, slots if as_list else torch.tensor(slots, dtype=torch.long), key, value)
+    pool.write(layer, torch.tensor(slots, dtype=torch.long), key, value)
     _reference_write(want, layer, slots, key, value)
     assert all(torch.equal(a, b) for a, b in zip(pool.segments, want.segments))
 
@@ -80,7 +79,7 @@ def test_long_consecutive_write_takes_the_indexed_path_and_matches():
     n = BlockPool.DIRECT_WRITE_TOKENS + 9
     slots = list(range(3, 3 + n))
     key, value = _kv(n, 7)
-    pool.write(0, slots, key, value)
+    pool.write(0, torch.tensor(slots), key, value)
     _reference_write(want, 0, slots, key, value)
     assert torch.equal(pool.segments[0], want.segments[0])
 
@@ -88,12 +87,11 @@ def test_long_consecutive_write_takes_the_indexed_path_and_matches():
 @pytest.mark.parametrize(
     ("slots", "error", "match"),
     [
-        ([True], ArgumentTypeError, "expected ints"),
-        ([1.0], ArgumentTypeError, "expected ints"),
-        ("a", ArgumentTypeError, "sequence of ints"),
-        ([1, 2], ShapeError, r"slots must be \[1\]"),
-        ([16 * 8], InvalidArgumentError, "slot in"),
-        ([-2], InvalidArgumentError, "slot in"),
+        ([0], ArgumentTypeError, "expected Tensor"),
+        (torch.tensor([True]), ArgumentTypeError, "integer tensor"),
+        (torch.tensor([1, 2]), ShapeError, r"slots must be \[1\]"),
+        (torch.tensor([16 * 8]), InvalidArgumentError, "slot in"),
+        (torch.tensor([-2]), InvalidArgumentError, "slot in"),
         (torch.tensor([1.0]), ArgumentTypeError, "integer tensor"),
         (torch.tensor([[1]]), ShapeError, "1-d"),
     ],
