@@ -3,17 +3,17 @@
 Gauges are read from the memory at scrape time (nothing to keep in sync): blocks total / active / cached /
 free, slot utilization (filled token slots over the slots of held blocks — seed 000 §5.3's block
 utilization), prefix queries and hits *in tokens* (only tokens actually reused count as hits). Allocation
-latency is a histogram fed by the allocator.
+latency is a histogram fed by the allocator's ``allocated`` events (no wrapper around ``allocate``).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from memos_ref.paged.allocator import ALLOCATED, BlockEvent
 from memos_ref.paged.store import PagedKV
 
 __all__ = ["PagedMetrics"]
@@ -66,16 +66,15 @@ class PagedMetrics:
             buckets=(1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 1e-3, 1e-2),
             registry=self.registry,
         )
-        allocate = kv.allocator.allocate
+        # the allocator times each allocate() while someone subscribes to ``allocated``, and hands the event here
+        self._events = kv.allocator.subscribe({ALLOCATED}, handler=self._observe)
 
-        def timed_allocate(n: int = 1) -> list[int]:
-            started = time.perf_counter()
-            try:
-                return allocate(n)
-            finally:
-                self.alloc_latency.observe(time.perf_counter() - started)
+    def _observe(self, event: BlockEvent) -> None:
+        self.alloc_latency.observe(event.seconds)
 
-        kv.allocator.allocate = timed_allocate  # type: ignore[method-assign]
+    def close(self) -> None:
+        """Stop observing allocations (the gauges keep reading the memory at scrape time)."""
+        self._events.close()
 
     def exposition(self) -> str:
         """The Prometheus text exposition (what a ``/metrics`` endpoint serves)."""

@@ -1,35 +1,61 @@
-"""``bench allocator``: block bookkeeping on an agent trace, against pool size, beside a deque baseline.
+"""``bench allocator``: block bookkeeping on an agent trace, against pool size, side by side with other managers.
 
-Metadata only — the allocator, prefix cache and block tables, no KV tensors — so pools of 65,536 and
+Metadata only — the allocator, prefix index and block tables, no KV tensors — so pools of 65,536 and
 1,048,576 blocks cost nothing to hold. The trace (seeded): 64 agents × 4 rounds; every agent's prompt is a
 2,048-token system prompt shared by all, its own history from earlier rounds, and 256 new tokens; it then
 decodes 256 tokens one at a time; block size 16. In a round all agents are live together (their decode steps
 interleave); at the end of a round they release their blocks, which stay prefix-cached for the next round.
 
-The baseline is a plain block manager in the style of nano-vllm: a ``deque`` free list and the same chained
-hashes, where reviving a freed-but-cached block must ``deque.remove`` it — a scan whose cost grows with the
-pool. The measured ``pool_size_slowdown`` (1M over 64k) shows that ours does not.
+Contenders, run interleaved (repeat 1 of every contender and pool, then repeat 2, ...) so a loaded machine
+slows them alike; each row reports the median and the min–max over repeats:
+
+* ``ours`` — :class:`~memos_ref.paged.allocator.BlockAllocator` + :class:`~memos_ref.paged.prefix.PrefixCache`
+  + :class:`~memos_ref.paged.sequence.SequenceCache` (``advance``: reserve and mark written, no slot tensor);
+* ``deque`` — a plain block manager in the style of nano-vllm with the same chained hashes, whose revival of a
+  freed-but-cached block is a ``deque.remove`` scan (its cost grows with the pool);
+* ``vllm`` — vLLM v1's ``BlockPool`` + ``FreeKVCacheBlockQueue`` (pure Python), driven as its
+  ``KVCacheManager`` drives it, when ``MEMOS_REF_VLLM_SRC`` names a vLLM source checkout (the folder holding
+  ``vllm/``); its two files are imported with every other vLLM import stubbed (:func:`_import_with_stubs`);
+* ``nanovllm`` — nano-vllm's ``BlockManager``, driven as its scheduler drives it, when
+  ``MEMOS_REF_NANOVLLM_SRC`` names a nano-vllm checkout (the folder holding ``nanovllm/``). Without the
+  ``xxhash`` package a BLAKE2b stand-in with the same interface is used (noted in the JSON).
+
+No source of either is vendored; a contender whose source is absent is skipped with a note in the JSON. Every
+contender hashes with its own design's scheme: ours, the deque baseline and the vLLM driver the package's
+chained BLAKE2b block hashes (vLLM's keys also hold the token ids), nano-vllm its xxh64. ``--quick`` runs a small
+trace on pools of 4,096 and 65,536 blocks.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import inspect
+import os
 import random
 import statistics
+import sys
 import time
+import types
 from collections import deque
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from memos_ref.bench.common import envelope, format_table
 from memos_ref.paged.allocator import BlockAllocator
-from memos_ref.paged.prefix import PrefixCache, block_hashes
+from memos_ref.paged.prefix import PrefixCache, block_hashes, iter_block_hashes
 from memos_ref.paged.sequence import SequenceCache
 from memos_ref.spec import KVSpec
 
 __all__ = ["DequeBlockManager", "human", "plot", "run"]
 
 BLOCK = 16
+VLLM_ENV, NANOVLLM_ENV = "MEMOS_REF_VLLM_SRC", "MEMOS_REF_NANOVLLM_SRC"
+_EXTRA = b"\x00"  # the extra key of an empty fingerprint and no salt (what PrefixCache(alloc, 16) mixes in)
 
 
 class _NullPool:
@@ -101,36 +127,40 @@ def _trace(agents: int, rounds: int, system: int, own: int, decode: int, seed: i
     return system_ids, new_tokens, decoded
 
 
-def _run_ours(num_blocks: int, trace, rounds: int) -> dict[str, Any]:
+# ---------------------------------------------------------------------------------------------- ours
+def _run_ours(num_blocks: int, trace, rounds: int, latencies: list[float] | None = None) -> dict[str, Any]:
+    """The trace through the package's bookkeeping. With ``latencies``, each reserve is timed (slower)."""
     system_ids, new_tokens, decoded = trace
     alloc = BlockAllocator(num_blocks)
     prefix = PrefixCache(alloc, BLOCK)
     pool = _NullPool()
     history = [list(system_ids) for _ in new_tokens]
-    latencies: list[float] = []
-    started = time.perf_counter()
+    clock = time.perf_counter
+    started = clock()
     for r in range(rounds):
         live = []
         for a, own in enumerate(new_tokens):
             prompt = history[a] + own[r]
             seq = SequenceCache(pool, alloc, prefix)  # type: ignore[arg-type]
             seq.adopt_prefix(prefix.lookup(prompt), prompt)
-            t0 = time.perf_counter()
-            seq.reserve(len(prompt) - seq.num_tokens, prompt[seq.num_tokens :])
-            latencies.append(time.perf_counter() - t0)
-            seq.mark_written()
-            live.append((a, seq, prompt))
+            t0 = clock()
+            seq.advance(prompt[seq.num_tokens :])  # reserve + mark written: bookkeeping, no slot tensor
+            if latencies is not None:
+                latencies.append(clock() - t0)
+            live.append((seq, decoded[a][r]))
         for step in range(len(decoded[0][r])):
-            for a, seq, _ in live:
-                t0 = time.perf_counter()
-                seq.reserve(1, [decoded[a][r][step]])
-                latencies.append(time.perf_counter() - t0)
-                seq.mark_written()
-        for a, seq, prompt in live:
-            history[a] = prompt + decoded[a][r]
+            for seq, tokens in live:
+                if latencies is None:
+                    seq.advance([tokens[step]])
+                else:
+                    t0 = clock()
+                    seq.advance([tokens[step]])
+                    latencies.append(clock() - t0)
+        for a, (seq, _) in enumerate(live):
+            history[a] = seq.token_ids[:]
             seq.free()
-    elapsed = time.perf_counter() - started
-    return {"seconds": elapsed, "latencies": latencies, "stats": {**alloc.stats(), **prefix.stats()}}
+    elapsed = clock() - started
+    return {"seconds": elapsed, "stats": {**alloc.stats(), **prefix.stats()}}
 
 
 def _run_deque(num_blocks: int, trace, rounds: int) -> dict[str, Any]:
@@ -159,55 +189,301 @@ def _run_deque(num_blocks: int, trace, rounds: int) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - started}
 
 
-def _work_tokens(trace, rounds: int, reused_tokens: int) -> int:
+# ---------------------------------------------------------------------------------------------- optional contenders
+class _Stub(types.ModuleType):
+    """A module that answers every attribute with a permissive stand-in class (and is a package too)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.__path__: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _stub_class(name)
+        setattr(self, name, value)
+        return value
+
+
+def _stub_class(name: str) -> type:
+    def ignore(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    return type(
+        name,
+        (),
+        {
+            "__init__": lambda self, *a, **k: None,
+            "__getattr__": lambda self, attr: ignore,
+            "__class_getitem__": classmethod(lambda cls, item: cls),
+        },
+    )
+
+
+class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports ``wanted`` modules of package ``top`` from ``root``; answers any other ``top.*`` import with a stub."""
+
+    def __init__(self, root: Path, top: str, wanted: set[str]) -> None:
+        self.root, self.top, self.wanted = root, top, wanted
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.top and not fullname.startswith(self.top + "."):
+            return None
+        if fullname in self.wanted:
+            file = self.root.joinpath(*fullname.split(".")).with_suffix(".py")
+            return importlib.util.spec_from_file_location(fullname, file)
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return _Stub(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+def _import_with_stubs(root: Path, top: str, wanted: list[str]) -> dict[str, types.ModuleType]:
+    """Import the modules ``wanted`` (dotted names under package ``top``) from the source files under ``root``,
+    with every other import of ``top.*`` they make answered by a stub — so one file of a large project (vLLM's
+    ``block_pool.py``) loads without its dependencies. ``sys.modules`` is restored afterwards: the modules
+    returned stay usable, nothing else sees them."""
+    for name in wanted:
+        if not root.joinpath(*name.split(".")).with_suffix(".py").is_file():
+            raise FileNotFoundError(f"{root} has no {name.replace('.', '/')}.py")
+    saved = {k: v for k, v in sys.modules.items() if k == top or k.startswith(top + ".")}
+    for k in saved:
+        del sys.modules[k]
+    finder = _SourceFinder(root, top, set(wanted))
+    sys.meta_path.insert(0, finder)
+    try:
+        return {name: importlib.import_module(name) for name in wanted}
+    finally:
+        sys.meta_path.remove(finder)
+        for k in [k for k in sys.modules if k == top or k.startswith(top + ".")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
+class _VllmRequest:
+    """What ``BlockPool.cache_full_blocks`` reads of a vLLM ``Request``."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.all_token_ids = token_ids
+        self.block_hashes: list[Any] = []
+        self.lora_request = None
+
+
+def _vllm_contender(src: Path) -> Callable[[int, Any, int], dict[str, Any]]:
+    """vLLM v1's BlockPool, driven as KVCacheManager drives it for one full-attention group: block hashes
+    computed once per request (at arrival, then as blocks fill), the longest cached prefix found hash by hash
+    (at most ``len - 1`` tokens), ``touch`` on hits, ``get_new_blocks``, ``cache_full_blocks`` and, at the end,
+    ``free_blocks`` of the table in reverse order."""
+    mods = _import_with_stubs(src, "vllm", ["vllm.v1.core.kv_cache_utils", "vllm.v1.core.block_pool"])
+    utils, BlockPool = mods["vllm.v1.core.kv_cache_utils"], mods["vllm.v1.core.block_pool"].BlockPool
+    params = inspect.signature(BlockPool.__init__).parameters
+    tuple_keys = not hasattr(utils, "make_block_hash_with_group_id")  # older vLLM: BlockHash(hash, tokens, extra)
+    touch_groups = "blocks" in inspect.signature(BlockPool.touch).parameters and tuple_keys
+
+    def key(block_hash: bytes, tokens: list[int]) -> Any:
+        return utils.BlockHash(block_hash, tuple(tokens), None) if tuple_keys else block_hash
+
+    def run(num_blocks: int, trace, rounds: int) -> dict[str, Any]:
+        system_ids, new_tokens, decoded = trace
+        kwargs: dict[str, Any] = {"enable_caching": True}
+        if "hash_block_size" in params:
+            kwargs["hash_block_size"] = BLOCK
+        pool = BlockPool(num_blocks + 1, **kwargs)  # vLLM keeps block 0 as its null block
+        history = [list(system_ids) for _ in new_tokens]
+        started = time.perf_counter()
+        for r in range(rounds):
+            live = []
+            for a, own in enumerate(new_tokens):
+                prompt = history[a] + own[r]
+                req = _VllmRequest(list(prompt))
+                chain = iter_block_hashes(prompt, BLOCK, _EXTRA)
+                req.block_hashes = [key(h, prompt[i * BLOCK : (i + 1) * BLOCK]) for i, h in enumerate(chain)]
+                hit = []
+                for bh in req.block_hashes[: (len(prompt) - 1) // BLOCK]:
+                    got = pool.get_cached_block(bh, [0])
+                    if not got:
+                        break
+                    hit.append(got[0])
+                pool.touch((hit,) if touch_groups else hit)
+                blocks = hit + pool.get_new_blocks(-(-len(prompt) // BLOCK) - len(hit))
+                pool.cache_full_blocks(req, blocks, len(hit), len(prompt) // BLOCK, BLOCK, 0)
+                live.append((req, blocks, decoded[a][r]))
+            for step in range(len(decoded[0][r])):
+                for req, blocks, tokens in live:
+                    ids = req.all_token_ids
+                    ids.append(tokens[step])
+                    n = len(ids)
+                    if n > len(blocks) * BLOCK:
+                        blocks.extend(pool.get_new_blocks(1))
+                    if n % BLOCK == 0:  # a block filled: hash it (once) and cache it
+                        parent = req.block_hashes[-1] if req.block_hashes else None
+                        parent_bytes = (parent.hash_value if tuple_keys else parent) if parent is not None else b""
+                        h = next(iter_block_hashes(ids[n - BLOCK : n], BLOCK, _EXTRA, parent_bytes))
+                        req.block_hashes.append(key(h, ids[n - BLOCK : n]))
+                        pool.cache_full_blocks(req, blocks, n // BLOCK - 1, n // BLOCK, BLOCK, 0)
+            for a, (req, blocks, _) in enumerate(live):
+                history[a] = req.all_token_ids
+                pool.free_blocks(reversed(blocks))
+        return {"seconds": time.perf_counter() - started}
+
+    return run
+
+
+def _xxhash_stand_in() -> types.ModuleType:
+    """A stand-in for the ``xxhash`` package (its ``xxh64`` interface over BLAKE2b, 8-byte digests)."""
+    import hashlib
+
+    class xxh64:  # the name nano-vllm calls
+        def __init__(self) -> None:
+            self._h = hashlib.blake2b(digest_size=8)
+
+        def update(self, data: bytes) -> None:
+            self._h.update(data)
+
+        def intdigest(self) -> int:
+            return int.from_bytes(self._h.digest(), "little")
+
+    module = types.ModuleType("xxhash")
+    module.xxh64 = xxh64  # type: ignore[attr-defined]
+    return module
+
+
+def _nanovllm_contender(src: Path) -> tuple[Callable[[int, Any, int], dict[str, Any]], str]:
+    """nano-vllm's BlockManager, driven as its scheduler drives it: ``can_allocate`` + ``allocate`` for a
+    prompt, ``hash_blocks`` after each step, ``append_token`` + ``may_append`` per decoded token, ``deallocate``
+    at the end. Returns the runner and the hash it uses."""
+    try:
+        import xxhash  # noqa: F401
+
+        hashing, stand_in = "xxhash.xxh64", None
+    except ImportError:
+        hashing, stand_in = "BLAKE2b 8-byte stand-in for xxhash (package absent)", _xxhash_stand_in()
+    if stand_in is not None:
+        sys.modules["xxhash"] = stand_in
+    try:
+        names = ["nanovllm.sampling_params", "nanovllm.engine.sequence", "nanovllm.engine.block_manager"]
+        mods = _import_with_stubs(src, "nanovllm", names)
+    finally:
+        if stand_in is not None:
+            del sys.modules["xxhash"]
+    Sequence, BlockManager = (
+        mods["nanovllm.engine.sequence"].Sequence,
+        mods["nanovllm.engine.block_manager"].BlockManager,
+    )
+
+    def run(num_blocks: int, trace, rounds: int) -> dict[str, Any]:
+        system_ids, new_tokens, decoded = trace
+        Sequence.block_size = BLOCK
+        mgr = BlockManager(num_blocks, BLOCK)
+        history = [list(system_ids) for _ in new_tokens]
+        started = time.perf_counter()
+        for r in range(rounds):
+            live = []
+            for a, own in enumerate(new_tokens):
+                seq = Sequence(history[a] + own[r])
+                cached = mgr.can_allocate(seq)
+                mgr.allocate(seq, cached)
+                seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens
+                mgr.hash_blocks(seq)
+                seq.num_cached_tokens += seq.num_scheduled_tokens
+                live.append((seq, decoded[a][r]))
+            for step in range(len(decoded[0][r])):
+                for seq, tokens in live:
+                    seq.append_token(tokens[step])
+                    mgr.may_append(seq)
+                    seq.num_scheduled_tokens = 1
+                    mgr.hash_blocks(seq)
+                    seq.num_cached_tokens += 1
+            for a, (seq, _) in enumerate(live):
+                history[a] = list(seq.token_ids)
+                mgr.deallocate(seq)
+        return {"seconds": time.perf_counter() - started}
+
+    return run, hashing
+
+
+def _contenders() -> tuple[dict[str, Callable[[int, Any, int], dict[str, Any]]], dict[str, str]]:
+    """The contenders to run, and notes on the optional ones (skipped, or how they were loaded)."""
+    runners: dict[str, Callable[[int, Any, int], dict[str, Any]]] = {"ours": _run_ours, "deque": _run_deque}
+    notes: dict[str, str] = {}
+    for name, env in (("vllm", VLLM_ENV), ("nanovllm", NANOVLLM_ENV)):
+        src = os.environ.get(env)
+        if not src:
+            notes[name] = f"skipped: set {env} to a {name} source checkout to compare"
+            continue
+        try:
+            if name == "vllm":
+                runners[name] = _vllm_contender(Path(src))
+                notes[name] = f"from {src} (vllm.v1.core.block_pool with stubbed imports)"
+            else:
+                runners[name], hashing = _nanovllm_contender(Path(src))
+                notes[name] = f"from {src}; hashing: {hashing}"
+        except Exception as exc:  # an incompatible checkout must not break the benchmark
+            notes[name] = f"skipped: could not load from {src}: {type(exc).__name__}: {exc}"
+    return runners, notes
+
+
+# ---------------------------------------------------------------------------------------------- driver
+def _work_tokens(trace, rounds: int) -> int:
     system_ids, new_tokens, decoded = trace
     total = 0
     for r in range(rounds):
         for a in range(len(new_tokens)):
             prompt_len = len(system_ids) + r * (len(new_tokens[a][0]) + len(decoded[a][0])) + len(new_tokens[a][r])
             total += prompt_len + len(decoded[a][r])
-    return total - reused_tokens
+    return total
 
 
-def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Time ours and the deque baseline on the trace, on both pool sizes."""
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def run(quick: bool = False, progress: bool = True, repeats: int | None = None) -> dict[str, Any]:
+    """Time every contender on the trace at both pool sizes, interleaved over ``repeats``."""
     agents, rounds, system, own, decode = (8, 2, 256, 64, 32) if quick else (64, 4, 2048, 256, 256)
     pools = (4096, 65_536) if quick else (65_536, 1_048_576)
+    repeats = repeats if repeats is not None else (2 if quick else 3)
     trace = _trace(agents, rounds, system, own, decode)
-    results: list[dict[str, Any]] = []
-    for pool in tqdm(pools, desc="bench allocator", disable=not progress):
-        ours = _run_ours(pool, trace, rounds)
-        base = _run_deque(pool, trace, rounds)
-        lat = sorted(ours["latencies"])
-        stats = ours["stats"]
-        tokens = _work_tokens(trace, rounds, 0)
-        results.append(
-            {
+    runners, notes = _contenders()
+    # deque.remove scans the pool: at the large pool the O(pool) contenders run once (minutes otherwise)
+    slow = {"deque", "nanovllm"}
+    seconds: dict[tuple[str, int], list[float]] = {(name, pool): [] for name in runners for pool in pools}
+    ours_stats: dict[int, dict[str, Any]] = {}
+    steps = [(rep, pool, name) for rep in range(repeats) for pool in pools for name in runners]
+    for rep, pool, name in tqdm(steps, desc="bench allocator", disable=not progress):
+        if rep > 0 and name in slow and pool == pools[-1] and not quick:
+            continue
+        out = runners[name](pool, trace, rounds)
+        seconds[(name, pool)].append(out["seconds"])
+        if name == "ours":
+            ours_stats[pool] = out["stats"]
+    latencies: list[float] = []
+    _run_ours(pools[-1], trace, rounds, latencies)  # a separate probed run: per-call timers slow the total
+    latencies.sort()
+    tokens = _work_tokens(trace, rounds)
+    results = []
+    for pool in pools:
+        for name in runners:
+            spread = _spread(seconds[(name, pool)])
+            row = {
                 "pool_blocks": pool,
+                "contender": name,
+                "repeats": len(seconds[(name, pool)]),
+                "seconds": spread["median"],
+                "seconds_min": spread["min"],
+                "seconds_max": spread["max"],
+                "tokens_per_s": tokens / spread["median"],
                 "tokens_processed": tokens,
-                "prefix_hit_tokens": stats["prefix_hit_tokens"],
-                "prefix_query_tokens": stats["prefix_query_tokens"],
-                "ours_seconds": ours["seconds"],
-                "deque_seconds": base["seconds"],
-                "ours_tokens_per_s": tokens / ours["seconds"],
-                "deque_tokens_per_s": tokens / base["seconds"],
-                "alloc_p50_us": statistics.median(lat) * 1e6,
-                "alloc_p99_us": lat[int(0.99 * (len(lat) - 1))] * 1e6,
-                "reserve_calls": len(lat),
             }
-        )
-    small, large = results
-    key = "1m" if not quick else "large"
-    summary = {
-        "tokens_per_s_pool_64k" if not quick else "tokens_per_s_pool_small": small["ours_tokens_per_s"],
-        f"tokens_per_s_pool_{key}": large["ours_tokens_per_s"],
-        "pool_size_slowdown": large["ours_seconds"] / small["ours_seconds"],
-        "deque_pool_size_slowdown": large["deque_seconds"] / small["deque_seconds"],
-        "alloc_p50_us": large["alloc_p50_us"],
-        "alloc_p99_us": large["alloc_p99_us"],
-        f"speedup_vs_deque_baseline_pool_{key}": large["deque_seconds"] / large["ours_seconds"],
-        "prefix_hit_rate": large["prefix_hit_tokens"] / large["prefix_query_tokens"],
-    }
+            if name == "ours":
+                stats = ours_stats[pool]
+                row["prefix_hit_tokens"] = stats["prefix_hit_tokens"]
+                row["prefix_query_tokens"] = stats["prefix_query_tokens"]
+            results.append(row)
+    summary = _summary(seconds, runners, pools, quick, tokens, ours_stats, latencies)
     config = {
         "agents": agents,
         "rounds": rounds,
@@ -216,15 +492,55 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
         "decode_tokens_per_round": decode,
         "block_size": BLOCK,
         "pools": list(pools),
+        "repeats": repeats,
+        "interleaved": True,
+        "repeats_at_large_pool_for_o_pool_contenders": 1 if not quick else repeats,
+        "contenders": sorted(runners),
+        "contender_notes": notes,
         "metadata_only": True,
     }
     return envelope("allocator", config, results, summary)
 
 
+def _summary(seconds, runners, pools, quick, tokens, ours_stats, latencies) -> dict[str, Any]:
+    small, large = pools
+    s_key, l_key = ("small", "large") if quick else ("64k", "1m")
+    med = {k: statistics.median(v) for k, v in seconds.items()}
+    summary: dict[str, Any] = {
+        f"tokens_per_s_pool_{s_key}": tokens / med[("ours", small)],
+        f"tokens_per_s_pool_{l_key}": tokens / med[("ours", large)],
+        "pool_size_slowdown": med[("ours", large)] / med[("ours", small)],
+        "pool_size_slowdown_min_max": _ratio_range(seconds[("ours", large)], seconds[("ours", small)]),
+        "deque_pool_size_slowdown": med[("deque", large)] / med[("deque", small)],
+        "alloc_p50_us": latencies[len(latencies) // 2] * 1e6,
+        "alloc_p99_us": latencies[int(0.99 * (len(latencies) - 1))] * 1e6,
+        f"speedup_vs_deque_baseline_pool_{l_key}": med[("deque", large)] / med[("ours", large)],
+        "prefix_hit_rate": ours_stats[large]["prefix_hit_tokens"] / ours_stats[large]["prefix_query_tokens"],
+    }
+    for name in runners:
+        if name in ("ours", "deque"):
+            continue
+        for pool, key in ((small, s_key), (large, l_key)):
+            # > 1: ours is faster. min-max over the per-repeat pairs of the interleaved runs
+            summary[f"speedup_vs_{name}_pool_{key}"] = med[(name, pool)] / med[("ours", pool)]
+            summary[f"speedup_vs_{name}_pool_{key}_min_max"] = _ratio_range(
+                seconds[(name, pool)], seconds[("ours", pool)]
+            )
+        summary[f"{name}_pool_size_slowdown"] = med[(name, large)] / med[(name, small)]
+    return summary
+
+
+def _ratio_range(numerators: list[float], denominators: list[float]) -> list[float]:
+    """Min and max of the per-repeat ratios (pairs taken in run order; extra runs of either side ignored)."""
+    ratios = [a / b for a, b in zip(numerators, denominators)]
+    return [min(ratios), max(ratios)]
+
+
 def human(report: dict[str, Any]) -> str:
-    cols = ["pool_blocks", "ours_tokens_per_s", "deque_tokens_per_s", "alloc_p50_us", "alloc_p99_us"]
+    cols = ["pool_blocks", "contender", "tokens_per_s", "seconds", "seconds_min", "seconds_max", "repeats"]
     lines = [format_table(report["results"], cols), ""]
     lines += [f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in report["summary"].items()]
+    lines += [f"{k}: {v}" for k, v in report["config"]["contender_notes"].items()]
     return "\n".join(lines)
 
 
@@ -235,10 +551,16 @@ def plot(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = report["results"]
-    xs = [r["pool_blocks"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(xs, [r["ours_tokens_per_s"] for r in rows], "o-", label="intrusive free list (memos-ref)")
-    ax.plot(xs, [r["deque_tokens_per_s"] for r in rows], "s--", label="deque baseline")
+    labels = {
+        "ours": "memos-ref BlockAllocator",
+        "deque": "deque baseline",
+        "vllm": "vLLM v1 BlockPool",
+        "nanovllm": "nano-vllm BlockManager",
+    }
+    for name in report["config"]["contenders"]:
+        mine = [r for r in rows if r["contender"] == name]
+        ax.plot([r["pool_blocks"] for r in mine], [r["tokens_per_s"] for r in mine], "o-", label=labels.get(name, name))
     ax.set(xscale="log", yscale="log", xlabel="pool size (blocks)", ylabel="tokens / s (bookkeeping only)")
     ax.legend()
     fig.tight_layout()

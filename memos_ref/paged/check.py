@@ -30,7 +30,7 @@ def check_invariants(
 ) -> None:
     """Raise :class:`InvariantError` if any invariant is broken; return None otherwise."""
     sequences = list(sequences)
-    with allocator._lock:
+    with allocator.lock:
         holders: Counter[int] = Counter()
         for seq in sequences:
             holders.update(seq.block_table)
@@ -68,19 +68,31 @@ def check_invariants(
         if cached_not_ok:
             raise InvariantError(f"cached blocks {cached_not_ok} have holders or no prefix", cached_not_ok)
         _check_windows(allocator, sequences)
+        _check_index(allocator)
         if prefix_cache is not None:
-            stale = sorted(b for b in prefix_cache._hash_of if allocator.state[b] == BlockState.FREE)
-            if stale:
-                raise InvariantError(f"prefix-cached blocks {stale} are on the free list", stale)
             t = prefix_cache.block_size
             for seq in sequences:  # a holder's tokens must be the tokens the cache says the block holds
                 for i, block in enumerate(seq.block_table):
-                    stored = prefix_cache._tokens_of.get(block)
+                    stored = allocator.tokens_of(block)
                     held = tuple(seq.token_ids[i * t : (i + 1) * t])
                     if stored is not None and len(held) == t and -1 not in held and held != stored:
                         raise InvariantError(
                             f"sequence {seq.seq_id} holds prefix-cached block {block} with other token ids", [block]
                         )
+
+
+def _check_index(allocator: BlockAllocator) -> None:
+    """The prefix-hash index: no free block indexed, every indexed block cacheable, hash -> block one to one."""
+    indexed = allocator.indexed_blocks()
+    stale = sorted(b for b in indexed if allocator.state[b] == BlockState.FREE)
+    if stale:
+        raise InvariantError(f"prefix-cached blocks {stale} are on the free list", stale)
+    uncacheable = sorted(b for b in indexed if not allocator.cacheable[b])
+    if uncacheable:
+        raise InvariantError(f"indexed blocks {uncacheable} are not marked cacheable", uncacheable)
+    unmapped = sorted(b for b, h in indexed.items() if allocator.block_with_hash(h) != b)
+    if unmapped or allocator.num_indexed != len(indexed):
+        raise InvariantError(f"the hash index and the blocks' hashes disagree for blocks {unmapped}", unmapped)
 
 
 def _check_windows(allocator: BlockAllocator, sequences: list[SequenceCache]) -> None:

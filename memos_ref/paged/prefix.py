@@ -8,43 +8,59 @@ blocks. A hit also compares the stored token ids, so a hash collision cannot ret
 
 Lookups return the longest cached prefix in whole blocks, but never the whole prompt: at least one token is
 always left to compute (nano-vllm issue 144: a full hit gave the model zero query tokens). Hits are counted
-only in tokens actually reused.
+only in tokens actually reused. A lookup's hashes travel with the sequence that adopts its blocks
+(:class:`PrefixHit`), so a prompt's blocks are hashed once.
+
+The hash -> block index itself (with the token ids a hit is verified against) is owned by the
+:class:`~memos_ref.paged.allocator.BlockAllocator`, which drops a hash in the same step that evicts its block;
+:class:`PrefixCache` is the hashing and hit-statistics front end over it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from memos_ref.errors import ArgumentTypeError, ConfigError, InvalidArgumentError, ShapeError, check_index, check_type
 from memos_ref.paged.allocator import BlockAllocator
 
-__all__ = ["UNKNOWN_TOKEN", "PrefixCache", "block_hashes", "check_token_ids", "hash_block"]
+__all__ = [
+    "UNKNOWN_TOKEN",
+    "PrefixCache",
+    "PrefixHit",
+    "block_hashes",
+    "check_token_ids",
+    "hash_block",
+    "iter_block_hashes",
+]
 
 HASH_BYTES = 16  # 128-bit BLAKE2b digests
 #: Token id recorded for positions whose ids were not given (such blocks are never prefix-cached).
 UNKNOWN_TOKEN = -1
 #: Largest token id: ids are hashed as signed 64-bit integers.
 MAX_TOKEN_ID = 2**63 - 1
+_INT_ONLY = frozenset({int})
 
 
 def check_token_ids(name: str, token_ids: object) -> list[int]:
     """Token ids as a list of ints, each in ``[UNKNOWN_TOKEN, MAX_TOKEN_ID]`` (-1 = unknown; ids are hashed as
     signed 64-bit ints); a string, a float or a tensor of floats is refused with :class:`ArgumentTypeError`, an
     id out of that range with :class:`InvalidArgumentError`."""
-    if isinstance(token_ids, torch.Tensor):
-        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
-            raise ArgumentTypeError(f"{name}: expected integer token ids, got a tensor of {token_ids.dtype}")
-        token_ids = token_ids.reshape(-1).tolist()
-    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
-        raise ArgumentTypeError(
-            f"{name}: expected a sequence of int token ids, got {type(token_ids).__name__} ({token_ids!r:.80})"
-        )
+    if type(token_ids) is not list:  # a list (the common case) skips the type checks below
+        if isinstance(token_ids, torch.Tensor):
+            if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
+                raise ArgumentTypeError(f"{name}: expected integer token ids, got a tensor of {token_ids.dtype}")
+            token_ids = token_ids.reshape(-1).tolist()
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+            raise ArgumentTypeError(
+                f"{name}: expected a sequence of int token ids, got {type(token_ids).__name__} ({token_ids!r:.80})"
+            )
     out = list(token_ids)
-    if not all(type(t) is int for t in out):  # fast path for plain ints; others (numpy ints) are converted
+    if not set(map(type, out)) <= _INT_ONLY:  # plain ints checked in C; others (numpy ints) are converted
         out = [check_index(f"{name}[{i}]", t, lo=UNKNOWN_TOKEN, hi=MAX_TOKEN_ID) for i, t in enumerate(out)]
     elif out and (min(out) < UNKNOWN_TOKEN or max(out) > MAX_TOKEN_ID):
         bad = min(out) if min(out) < UNKNOWN_TOKEN else max(out)
@@ -78,50 +94,74 @@ def block_hashes(
     """Chained hashes of the *full* blocks of ``token_ids`` (a partial last block has none), continuing
     from ``parent`` (the hash of the block before ``token_ids[0]``, if any)."""
     extra = _extra_key(fingerprint, cache_salt)
-    hashes = []
+    return list(iter_block_hashes(token_ids, block_size, extra, parent))
+
+
+def iter_block_hashes(token_ids: Sequence[int], block_size: int, extra: bytes, parent: bytes = b"") -> Iterator[bytes]:
+    """Lazily, the chained hashes of the full blocks of ``token_ids`` (``extra``: the fingerprint and salt key)."""
+    blake2b, pack = hashlib.blake2b, array
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], extra)
-        hashes.append(parent)
-    return hashes
+        digest = blake2b(parent, digest_size=HASH_BYTES)
+        digest.update(extra)
+        digest.update(pack("q", token_ids[start : start + block_size]).tobytes())
+        parent = digest.digest()
+        yield parent
+
+
+class PrefixHit(list):
+    """The block ids a :meth:`PrefixCache.lookup` found (a plain ``list`` to every caller), carrying the hash chain
+    the lookup computed for the prompt's full blocks (``chain``, found or not) and the ids it hashed, so the
+    sequence that adopts them hashes none of those blocks again: neither the prefix nor, when it registers them,
+    the blocks after it."""
+
+    __slots__ = ("chain", "extra", "token_ids")
+
+    def __init__(self, blocks: list[int], chain: list[bytes], extra: bytes, token_ids: list[int]) -> None:
+        super().__init__(blocks)
+        self.chain, self.extra, self.token_ids = chain, extra, token_ids  # token_ids: the lookup's (checked) ids
 
 
 class PrefixCache:
-    """Maps block hashes to block ids over one allocator; cached blocks live in the allocator's LRU list.
+    """Prefix hashing and hit statistics over one allocator's hash index (cached blocks live in its LRU list).
 
     Args:
-        allocator: the allocator whose blocks are shared; its ``on_evict`` is chained to forget hashes.
+        allocator: the allocator whose blocks are shared; it owns the hash -> block index.
         block_size: tokens per block.
         fingerprint: the model fingerprint, part of every hash.
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int, *, fingerprint: str = "") -> None:
+        check_type("allocator", allocator, BlockAllocator)
         if block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {block_size}")
         self.allocator, self.block_size, self.fingerprint = allocator, block_size, fingerprint
-        # One lock for both: allocate() evicts (and calls back into this cache) under the allocator's lock,
-        # and lookup() increfs under this one; two locks taken in opposite orders would deadlock.
-        self._lock = allocator._lock
-        self._block_of: dict[bytes, int] = {}
-        self._hash_of: dict[int, bytes] = {}
-        self._tokens_of: dict[int, tuple[int, ...]] = {}
+        self._stats_lock = threading.Lock()
         self.query_tokens = 0
         self.hit_tokens = 0
         self.queries = 0
-        previous = allocator.on_evict
-
-        def on_evict(block: int) -> None:
-            self._forget(block)
-            if previous is not None:
-                previous(block)
-
-        allocator.on_evict = on_evict
 
     # ------------------------------------------------------------------ registry
-    def __contains__(self, block: int) -> bool:
-        return block in self._hash_of
+    def __contains__(self, block: object) -> bool:
+        return (
+            type(block) is int and 0 <= block < self.allocator.num_blocks and self.allocator.hash_of(block) is not None
+        )
 
     def __len__(self) -> int:
-        return len(self._hash_of)
+        return self.allocator.num_indexed
+
+    @property
+    def _block_of(self) -> dict[bytes, int]:
+        """Compatibility view for old tests: hash -> block (a copy)."""
+        return {h: b for b, h in self.allocator.indexed_blocks().items()}
+
+    @property
+    def _hash_of(self) -> dict[int, bytes]:
+        """Compatibility view for old tests: block -> hash (a copy)."""
+        return self.allocator.indexed_blocks()
+
+    def extra_key(self, cache_salt: str | None = None) -> bytes:
+        """The fingerprint and salt bytes mixed into every hash of this cache."""
+        return _extra_key(self.fingerprint, cache_salt)
 
     def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None, parent: bytes = b"") -> list[bytes]:
         """Chained hashes of the full blocks of ``token_ids``, continuing from ``parent``."""
@@ -139,61 +179,43 @@ class PrefixCache:
             raise ShapeError(
                 f"only full blocks can be registered: got {len(tokens)} tokens, block size is {self.block_size}"
             )
-        with self._lock:
-            if block_hash in self._block_of or block in self._hash_of:
-                return False
-            self._block_of[block_hash] = block
-            self._hash_of[block] = block_hash
-            self._tokens_of[block] = tuple(tokens)
-            self.allocator.set_cacheable(block, True)
-            return True
-
-    def _forget(self, block: int) -> None:
-        with self._lock:
-            block_hash = self._hash_of.pop(block, None)
-            if block_hash is not None:
-                del self._block_of[block_hash]
-                del self._tokens_of[block]
+        return self.allocator.cache_block(block, block_hash, tokens)
 
     def forget(self, block: int) -> None:
         """Drop a block from the cache (it is freed, not cached, when its last holder lets go)."""
-        with self._lock:
-            self._forget(block)
-            self.allocator.set_cacheable(block, False)
+        self.allocator.uncache(block)
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
+    def lookup(self, token_ids: Sequence[int], cache_salt: str | None = None, *, count: bool = True) -> list[int]:
         """The blocks of the longest cached prefix of ``token_ids``, each with one more holder (the caller
-        owns those references). At most ``(len - 1) // block_size`` blocks: one token is always left."""
+        owns those references). At most ``(len - 1) // block_size`` blocks: one token is always left. The
+        returned list carries the prompt's block hashes (:class:`PrefixHit`). ``count=False`` keeps the lookup
+        out of the hit statistics (a prefetch is not a request)."""
         token_ids = check_token_ids("token_ids", token_ids)
         check_type("cache_salt", cache_salt, (str, type(None)))
-        limit = max(0, (len(token_ids) - 1) // self.block_size)
-        found: list[int] = []
-        with self._lock:
-            for i, block_hash in enumerate(self.hashes(token_ids[: limit * self.block_size], cache_salt)):
-                block = self._block_of.get(block_hash)
-                expected = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
-                if block is None or self._tokens_of[block] != expected:
-                    break
-                found.append(block)
-            for block in found:
-                self.allocator.incref(block)  # revives cached blocks in O(1)
-            self.queries += 1
-            self.query_tokens += len(token_ids)
-            self.hit_tokens += len(found) * self.block_size
+        t = self.block_size
+        limit = max(0, (len(token_ids) - 1) // t)
+        chain = self.hashes(token_ids[: limit * t], cache_salt)  # every full block, once (vLLM: at arrival)
+        blocks = self.allocator.match_prefix(chain, token_ids, t)
+        found = PrefixHit(blocks, chain, _extra_key(self.fingerprint, cache_salt), token_ids)
+        if count:
+            with self._stats_lock:
+                self.queries += 1
+                self.query_tokens += len(token_ids)
+                self.hit_tokens += len(found) * t
         return found
 
     def uncount_hits(self, tokens: int) -> None:
         """Take back hit tokens a caller looked up but did not use (hits count only reused tokens)."""
-        with self._lock:
+        with self._stats_lock:
             self.hit_tokens -= tokens
 
     def stats(self) -> dict[str, float]:
-        with self._lock:
+        with self._stats_lock:
             return {
                 "prefix_queries": self.queries,
                 "prefix_query_tokens": self.query_tokens,
                 "prefix_hit_tokens": self.hit_tokens,
                 "prefix_hit_rate": self.hit_tokens / self.query_tokens if self.query_tokens else 0.0,
-                "prefix_cached_blocks": len(self._hash_of),
+                "prefix_cached_blocks": len(self),
             }

@@ -39,7 +39,14 @@ from memos_ref.errors import (
 )
 from memos_ref.paged.allocator import BlockAllocator, BlockState
 from memos_ref.paged.pool import BlockPool
-from memos_ref.paged.prefix import UNKNOWN_TOKEN, PrefixCache, check_token_ids
+from memos_ref.paged.prefix import (
+    MAX_TOKEN_ID,
+    UNKNOWN_TOKEN,
+    PrefixCache,
+    PrefixHit,
+    check_token_ids,
+    iter_block_hashes,
+)
 
 __all__ = ["UNKNOWN_TOKEN", "SequenceCache", "check_token_ids"]
 
@@ -78,6 +85,9 @@ class SequenceCache:
         self.layer_tokens = [0] * pool.spec.num_layers
         self.num_registered = 0  # leading full blocks already offered to the prefix cache
         self._chain: list[bytes] = []  # their chained hashes
+        # (hashes, token ids) of the prompt a prefix lookup hashed: reused when the blocks after the adopted
+        # prefix are registered, as long as this sequence's tokens are the ones hashed
+        self._lookahead: tuple[list[bytes], list[int]] | None = None
         self.cow_copies = 0
         # a quantized pool with a residual window: blocks block_table[window_start:] are held in the pool's
         # window_holds (this sequence reads them at full precision)
@@ -103,8 +113,18 @@ class SequenceCache:
         return self._slots(start, stop)
 
     def _slots(self, start: int, stop: int) -> torch.Tensor:
+        return torch.tensor(self._slot_list(start, stop), dtype=torch.long)
+
+    def _slot_list(self, start: int, stop: int) -> list[int]:
         t, table = self.block_size, self.block_table
-        return torch.tensor([table[p // t] * t + p % t for p in range(start, stop)], dtype=torch.long)
+        return [table[p // t] * t + p % t for p in range(start, stop)]
+
+    def slot_list(self, start: int, stop: int) -> list[int]:
+        """:meth:`slot_mapping` as a Python list (for callers that build one tensor for many rows)."""
+        self._check_live()
+        start = check_index("start", start, lo=0, hi=self.num_tokens)
+        stop = check_index("stop", stop, lo=start, hi=self.num_tokens)
+        return self._slot_list(start, stop)
 
     def block_table_tensor(self) -> torch.Tensor:
         return torch.tensor(self.block_table, dtype=torch.long)
@@ -182,9 +202,8 @@ class SequenceCache:
         if self.num_tokens % self.block_size == 0 or not self.block_table:
             return False  # the next token starts a new block
         tail = self.block_table[-1]
-        shared = self.allocator.refcount[tail] > 1
-        cached = self.prefix_cache is not None and tail in self.prefix_cache
-        return shared or cached
+        # shared, or in the prefix index (a registered full block made a partial tail again by truncate)
+        return self.allocator.refcount[tail] > 1 or tail in self.allocator.hash_by_block
 
     def blocks_needed(self, n: int) -> int:
         """Blocks that reserving ``n`` more tokens would allocate (new blocks plus a copy-on-write)."""
@@ -198,35 +217,60 @@ class SequenceCache:
     def reserve(self, n: int, token_ids: Sequence[int] | None = None) -> torch.Tensor:
         """Reserve slots for ``n`` new tokens (copy-on-write of a shared tail, then new blocks — all or
         nothing); returns their slots ``[n]``."""
-        self._check_live()
-        n = check_index("n", n, lo=0)
-        if token_ids is not None:
+        with self._lock:
+            positions = self.reserve_positions(n, token_ids)
+            return self._slots(positions.start, positions.stop)
+
+    def reserve_positions(self, n: int, token_ids: Sequence[int] | None = None) -> range:
+        """:meth:`reserve` without building a slot tensor: returns the new logical positions (their slots are
+        ``slot_list(r.start, r.stop)``), for callers that build one slot mapping per step, and bookkeeping."""
+        if self._freed:
+            self._check_live()
+        if type(n) is not int or n < 0:
+            n = check_index("n", n, lo=0)
+        if token_ids is not None and not (  # a decode step's one plain id is checked inline
+            n == 1
+            and type(token_ids) is list
+            and len(token_ids) == 1
+            and type(token_ids[0]) is int
+            and UNKNOWN_TOKEN <= token_ids[0] <= MAX_TOKEN_ID
+        ):
             token_ids = check_token_ids("token_ids", token_ids)
             if len(token_ids) != n:
                 raise ShapeError(f"{n} tokens reserved but {len(token_ids)} token ids given")
         with self._lock:
-            copy_tail = self._tail_needs_copy() and n > 0
-            new_blocks = -(-(self.num_tokens + n) // self.block_size) - len(self.block_table)
-            self._check_staging(n)  # a quantized pool: refuse before anything changes
-            fresh = self.allocator.allocate(new_blocks + int(copy_tail))  # raises before any change
-            if copy_tail:
-                private, old = fresh.pop(), self.block_table[-1]
-                try:
-                    self.pool.copy_block(old, private)
-                except BaseException:  # give everything back
-                    self.allocator.free_many([*fresh, private])
-                    raise
-                self.block_table[-1] = private
-                self._hold([private])  # the tail always lies inside the window
-                self._unhold([old])
-                self.allocator.free(old)
-                self.cow_copies += 1
+            start, t, table = self.num_tokens, self.block_size, self.block_table
+            new_blocks = -(-(start + n) // t) - len(table)
+            copy_tail = False
+            if start % t and n:  # a partly filled tail is copied first when shared or in the prefix index
+                alloc = self.allocator
+                copy_tail = alloc.refcount[table[-1]] > 1 or table[-1] in alloc.hash_by_block
+            if self._windows:
+                self._check_staging(n)  # a quantized pool: refuse before anything changes
+            if new_blocks or copy_tail:
+                self._grow(new_blocks, copy_tail)
+            self.num_tokens = start + n
+            self.token_ids.extend(token_ids if token_ids is not None else [UNKNOWN_TOKEN] * n)
+            return range(start, start + n)
+
+    def _grow(self, new_blocks: int, copy_tail: bool) -> None:
+        """Allocate ``new_blocks`` blocks (all or nothing) and copy a shared tail to a private block first."""
+        fresh = self.allocator.allocate(new_blocks + copy_tail)  # raises before any change
+        if copy_tail:
+            private, old = fresh.pop(), self.block_table[-1]
+            try:
+                self.pool.copy_block(old, private)
+            except BaseException:  # give everything back
+                self.allocator.free_many([*fresh, private])
+                raise
+            self.block_table[-1] = private
+            self._hold([private])  # the tail always lies inside the window
+            self._unhold([old])
+            self.allocator.free(old)
+            self.cow_copies += 1
+        if fresh:
             self._hold(fresh)
             self.block_table.extend(fresh)
-            start = self.num_tokens
-            self.num_tokens += n
-            self.token_ids.extend(token_ids if token_ids is not None else [UNKNOWN_TOKEN] * n)
-            return self._slots(start, self.num_tokens)
 
     def _check_staging(self, n: int) -> None:
         need = self.staging_needed(n)
@@ -273,17 +317,48 @@ class SequenceCache:
     def mark_written(self) -> None:
         """Declare every reserved token written in every layer (when the K/V are written elsewhere — a kernel,
         or no tensors at all in a metadata-only simulation); registers full blocks for prefix reuse."""
-        self._check_live()
+        if self._freed:
+            self._check_live()
         with self._lock:
-            self.layer_tokens = [self.num_tokens] * len(self.layer_tokens)
-            self._after_all_layers()
+            n = self.num_tokens
+            self.layer_tokens = [n] * len(self.layer_tokens)
+            if self.prefix_cache is not None and n // self.block_size > self.num_registered:
+                self._register_full_blocks()
+            if self._windows:
+                self._seal_behind_window()
+
+    def advance(self, token_ids: Sequence[int]) -> range:
+        """Reserve the tokens ``token_ids`` and declare them written in every layer, in one call: ``reserve`` then
+        ``mark_written`` for callers that write K/V elsewhere (one indexed store per step, or none in a
+        bookkeeping simulation). A decode step's one token takes a short path. Returns the new positions."""
+        if self._freed:
+            self._check_live()
+        if type(token_ids) is list and len(token_ids) == 1:
+            token = token_ids[0]
+            if type(token) is int and UNKNOWN_TOKEN <= token <= MAX_TOKEN_ID and not self._windows:
+                with self._lock:
+                    start, t = self.num_tokens, self.block_size
+                    if start % t:  # room in the tail: unless it must be copied first, no block changes hands
+                        tail = self.block_table[-1]
+                        if self.allocator.refcount[tail] == 1 and tail not in self.allocator.hash_by_block:
+                            self.num_tokens = start + 1
+                            self.token_ids.append(token)
+                            self.layer_tokens = [start + 1] * len(self.layer_tokens)
+                            if (start + 1) % t == 0 and self.prefix_cache is not None:
+                                self._register_full_blocks()
+                            return range(start, start + 1)
+        with self._lock:
+            positions = self.reserve_positions(len(token_ids), token_ids)
+            self.mark_written()
+            return positions
 
     def _after_all_layers(self) -> None:
         """Every layer holds every reserved token: register full blocks for prefix reuse, and let a quantized
         pool seal the blocks that left the full-precision residual window."""
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and self.num_tokens // self.block_size > self.num_registered:
             self._register_full_blocks()
-        self._seal_behind_window()
+        if self._windows:
+            self._seal_behind_window()
 
     def set_token_ids(self, token_ids: Sequence[int], start: int = 0) -> None:
         """Record the token ids of positions ``start..`` after the fact (e.g. after ``generate``), so full
@@ -305,23 +380,45 @@ class SequenceCache:
                 self._register_full_blocks()
 
     def _register_full_blocks(self) -> None:
-        full = self.num_tokens // self.block_size
-        if full <= self.num_registered:
+        t, done = self.block_size, self.num_registered
+        full = self.num_tokens // t
+        if full <= done:
             return
-        known = full
-        if UNKNOWN_TOKEN in self.token_ids[: full * self.block_size]:
-            known = self.token_ids.index(UNKNOWN_TOKEN) // self.block_size
-        if known <= self.num_registered:
+        # only the newly full blocks are scanned for unknown ids (registered ones hold none)
+        start, stop = done * t, full * t
+        try:
+            known = self.token_ids.index(UNKNOWN_TOKEN, start, stop) // t
+        except ValueError:
+            known = full
+        if known <= done:
             return
-        # extend the hash chain from the last registered block (each block is hashed once)
-        del self._chain[self.num_registered :]
-        parent = self._chain[-1] if self._chain else b""
-        start, stop = self.num_registered * self.block_size, known * self.block_size
-        self._chain.extend(self.prefix_cache.hashes(self.token_ids[start:stop], self.cache_salt, parent))
-        for i in range(self.num_registered, known):
-            tokens = self.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            self.prefix_cache.register(self.block_table[i], self._chain[i], tokens)
+        # extend the hash chain from the last registered block (each block is hashed once per sequence)
+        del self._chain[done:]
+        stop = known * t
+        ids = self.token_ids[start:stop]
+        self._chain.extend(self._lookahead_hashes(done, known))
+        hashed = len(self._chain) * t  # the rest is hashed now, continuing the chain
+        if hashed < stop:
+            parent = self._chain[-1] if self._chain else b""
+            extra = self.prefix_cache.extra_key(self.cache_salt)  # type: ignore[union-attr]
+            self._chain.extend(iter_block_hashes(self.token_ids[hashed:stop], t, extra, parent))
+        self.allocator.cache_blocks(self.block_table[done:known], self._chain[done:known], ids, t)
         self.num_registered = known
+
+    def _lookahead_hashes(self, done: int, known: int) -> list[bytes]:
+        """Hashes of blocks ``done..`` (at most to ``known``) the prefix lookup already computed: valid while the
+        chain so far is the lookup's and each block holds the ids it hashed."""
+        if self._lookahead is None:
+            return []
+        chain, ids = self._lookahead
+        if done and (done > len(chain) or self._chain[done - 1] != chain[done - 1]):
+            return []
+        t, out = self.block_size, []
+        for i in range(done, min(known, len(chain))):
+            if self.token_ids[i * t : (i + 1) * t] != ids[i * t : (i + 1) * t]:
+                break
+            out.append(chain[i])
+        return out
 
     # ------------------------------------------------------------------ sharing and rollback
     def adopt_prefix(self, blocks: Sequence[int], token_ids: Sequence[int]) -> None:
@@ -331,11 +428,13 @@ class SequenceCache:
             raise StateError(f"a prefix can only be adopted by an empty sequence; this one holds {self.num_tokens}")
         if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence):
             raise ArgumentTypeError(f"blocks: expected a sequence of block ids, got {type(blocks).__name__}")
-        blocks = [self._check_held(b) for b in blocks]
+        hit = blocks if isinstance(blocks, PrefixHit) and self.prefix_cache is not None else None
+        blocks = self._check_held_all(blocks)
         token_ids = check_token_ids("token_ids", token_ids)
         n = len(blocks) * self.block_size
         if len(token_ids) < n:
             raise ShapeError(f"{len(blocks)} blocks need {n} token ids, got {len(token_ids)}")
+        carried = self._carried_chain(hit, token_ids[:n]) if hit is not None else None
         with self._lock:
             self.block_table = list(blocks)
             self.token_ids = list(token_ids[:n])
@@ -343,10 +442,33 @@ class SequenceCache:
             self.layer_tokens = [n] * len(self.layer_tokens)
             self.num_registered = len(blocks)
             if self.prefix_cache is not None:
-                self._chain = self.prefix_cache.hashes(self.token_ids, self.cache_salt)
+                self._lookahead = (carried, hit.token_ids) if carried is not None else None  # type: ignore
+                self._chain = (
+                    carried[: len(blocks)]
+                    if carried is not None
+                    else self.prefix_cache.hashes(self.token_ids, self.cache_salt)
+                )
             self.window_start = self._window_for(n) if self._windows else 0
             self._hold(self.block_table[self.window_start :])
             self._seal_behind_window()
+
+    def _carried_chain(self, hit: PrefixHit, token_ids: list[int]) -> list[bytes] | None:
+        """The hash chain a lookup computed for the prompt (each block hashed once per sequence), if it is this
+        sequence's chain: same fingerprint and salt, covering the adopted blocks, and the lookup hashed exactly
+        these token ids. None otherwise (the chain is then computed from the token ids)."""
+        t = self.block_size
+        if len(hit.chain) < len(hit) or hit.extra != self.prefix_cache.extra_key(self.cache_salt):  # type: ignore
+            return None
+        if hit.token_ids[: len(hit) * t] != token_ids:
+            return None
+        return list(hit.chain)
+
+    def _check_held_all(self, blocks: Sequence[int]) -> list[int]:
+        """Every block id allocated (see :meth:`_check_held`), as a list of ints."""
+        state, n = self.allocator.state, self.allocator.num_blocks
+        if all(type(b) is int and 0 <= b < n and state[b] == BlockState.ACTIVE for b in blocks):
+            return list(blocks)
+        return [self._check_held(b) for b in blocks]
 
     def _check_held(self, block: object) -> int:
         """A block id that is allocated (held by someone: the lookup's reference), as an int."""
@@ -355,8 +477,8 @@ class SequenceCache:
             raise InvalidBlockError(f"block id {b} is not in [0, {self.allocator.num_blocks})")
         if self.allocator.state[b] != BlockState.ACTIVE:
             raise InvalidBlockError(
-                f"block {b} is {self.allocator.state[b].name.lower()}: adopt only blocks a prefix lookup returned "
-                f"(they carry the reference this sequence takes over)"
+                f"block {b} is {BlockState(self.allocator.state[b]).name.lower()}: adopt only blocks a prefix "
+                f"lookup returned (they carry the reference this sequence takes over)"
             )
         return b
 
@@ -377,6 +499,7 @@ class SequenceCache:
             child.layer_tokens = list(self.layer_tokens)
             child.num_registered = self.num_registered
             child._chain = list(self._chain)
+            child._lookahead = self._lookahead
             child.window_start = self.window_start
             child._hold(child.block_table[child.window_start :])
             return child
@@ -416,11 +539,13 @@ class SequenceCache:
                 full = self.num_tokens // self.block_size
                 shared = [b for b in self.block_table[:full] if self.allocator.refcount[b] > 1]
                 self.pool.seal_unheld(shared)  # type: ignore[attr-defined]
-            self.allocator.free_many(self.block_table)
+            # last block first: cached blocks are evicted oldest first, so a prefix outlives its tail (vLLM's order)
+            self.allocator.free_many(self.block_table[::-1])
             self.block_table = []
             self.num_tokens = 0
             self.window_start = 0
             self._freed = True
+            self._lookahead = None
             if self.registry is not None:
                 self.registry.pop(self.seq_id, None)
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from memos_ref.errors import ConfigError, check_type
-from memos_ref.paged.allocator import BlockAllocator
+from memos_ref.paged.allocator import CACHED, EVICTED, FREED, BlockAllocator, BlockEvent
 from memos_ref.paged.check import check_invariants
 from memos_ref.paged.pool import BlockPool
 from memos_ref.paged.prefix import PrefixCache, check_token_ids
@@ -20,6 +20,9 @@ from memos_ref.paged.sequence import SequenceCache
 from memos_ref.spec import KVSpec
 
 __all__ = ["PagedKV"]
+
+_QUANT_EVENTS = frozenset({FREED, EVICTED, CACHED})  # staging release, sealing (and debug poisoning)
+_DEBUG_EVENTS = frozenset({FREED})  # poisoning
 
 
 class PagedKV:
@@ -55,7 +58,6 @@ class PagedKV:
         self.spec = spec
         if quant is None:
             self.pool = BlockPool(spec, num_blocks, byte_budget=byte_budget, segments=segments, device=device)
-            on_free = self.pool.poison if debug else None
         else:
             from memos_ref.quant.pool import QuantizedBlockPool
 
@@ -70,16 +72,31 @@ class PagedKV:
                 layer_scales=layer_scales,
                 device=device,
             )
-            on_free = self.pool.poison if debug else self.pool.release  # a freed block gives back its staging
-        self.allocator = BlockAllocator(self.pool.num_blocks, on_free=on_free)
-        if quant is not None:
-            self.allocator.on_evict = self.pool.release  # the prefix cache chains its own hook onto this
-            self.allocator.on_cache = self.pool.seal_cached  # no residual window applies to a cached block
+        self.allocator = BlockAllocator(self.pool.num_blocks)
+        self._debug, self._quantized = debug, quant is not None
+        kinds = _QUANT_EVENTS if quant is not None else _DEBUG_EVENTS if debug else frozenset()
+        self._pool_events = self.allocator.subscribe(kinds, handler=self._on_block_event) if kinds else None
         self.prefix_cache = (
             PrefixCache(self.allocator, spec.block_size, fingerprint=fingerprint) if prefix_caching else None
         )
         self.sequences: dict[int, SequenceCache] = {}
         self.tier_manager: Any = None  # a memos_ref.tiering.TierManager attaches itself here
+
+    def _on_block_event(self, event: BlockEvent) -> None:
+        """What the K/V memory does when block state changes (drained by the allocator before it returns): debug
+        poisoning of freed blocks; a quantized pool gives back the staging slot of a freed or evicted block and
+        seals a block that stays cached (no residual window applies to it)."""
+        kind, block = event.kind, event.block
+        if kind == FREED:
+            if self._debug:
+                self.pool.poison(block)  # a quantized pool's poison releases the staging slot too
+            elif self._quantized:
+                self.pool.release(block)  # type: ignore[union-attr]
+        elif self._quantized:
+            if kind == EVICTED:
+                self.pool.release(block)  # type: ignore[union-attr]
+            elif kind == CACHED:
+                self.pool.seal_cached(block)  # type: ignore[union-attr]
 
     def new_sequence(self, cache_salt: str | None = None) -> SequenceCache:
         """An empty sequence over this memory."""

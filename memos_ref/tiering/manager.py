@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from memos_ref.errors import ArgumentTypeError, ConfigError, InvalidArgumentError, check_index, check_type
-from memos_ref.paged.allocator import BlockState
+from memos_ref.paged.allocator import EVICTED, BlockEvent, BlockState
 from memos_ref.paged.store import PagedKV
 from memos_ref.tiering.policies import BlockHistory, priority_function
 from memos_ref.tiering.store import TierStore
@@ -115,20 +115,25 @@ class TierManager:
         self._stop = threading.Event()
         self.last_error: str | None = None
         self._events_lock = threading.Lock()
-        previous = kv.allocator.on_evict
-
-        def on_evict(block: int) -> None:  # runs before the prefix cache forgets the block's hash
-            try:
-                self._write_back(block)
-            except Exception:  # a failing tier must never break an allocation half-way: the block is just lost
-                self.counts["write_back_failed"] += 1
-            finally:
-                self.history.pop(block, None)
-                if previous is not None:
-                    previous(block)
-
-        kv.allocator.on_evict = on_evict
+        # write-back on eviction: the allocator drains this before the allocation that evicted returns, so the
+        # block still holds its bytes; the event carries the hash the block had
+        self._evictions = kv.allocator.subscribe({EVICTED}, handler=self._on_evicted)
         kv.tier_manager = self
+
+    def _on_evicted(self, event: BlockEvent) -> None:
+        try:
+            self._write_back(event.block, event.block_hash)
+        except Exception:  # a failing tier must never break an allocation half-way: the block is just lost
+            self.counts["write_back_failed"] += 1
+        finally:
+            self.history.pop(event.block, None)
+
+    def close(self) -> None:
+        """Stop the background thread and stop writing evicted blocks back (the manager can be dropped)."""
+        self.stop()
+        self._evictions.close()
+        if self.kv.tier_manager is self:
+            self.kv.tier_manager = None
 
     # ------------------------------------------------------------------ bookkeeping
     def utilization(self) -> float:
@@ -137,7 +142,7 @@ class TierManager:
         return (a.num_active + a.num_cached) / a.num_blocks
 
     def _hash_of(self, block: int) -> bytes | None:
-        return self.kv.prefix_cache._hash_of.get(block)
+        return self.kv.allocator.hash_of(block)
 
     def pin(self, hashes: Iterable[bytes]) -> None:
         """Never swap out the blocks with these prefix hashes (e.g. the current system prompts) in :meth:`step`.
@@ -157,7 +162,7 @@ class TierManager:
     def residency(self, block_hash: bytes) -> str | None:
         """Where the block with this prefix hash lives: ``"device"``, a tier's name, or None."""
         check_type("block_hash", block_hash, bytes)
-        if block_hash in self.kv.prefix_cache._block_of:
+        if self.kv.allocator.block_with_hash(block_hash) is not None:
             return "device"
         return self.store.locate(block_hash.hex())
 
@@ -193,8 +198,7 @@ class TierManager:
                 return tier.name
         return None
 
-    def _write_back(self, block: int) -> None:
-        h = self._hash_of(block)
+    def _write_back(self, block: int, h: bytes | None) -> None:
         if not self.write_back or h is None or self.store.locate(h.hex()) is not None:
             return
         if self._store_block(block, h.hex()) is not None:
@@ -206,9 +210,7 @@ class TierManager:
     def _candidates(self, now: float) -> list[int]:
         a = self.kv.allocator
         out = []
-        for b in range(a.num_blocks):
-            if a.state[b] != BlockState.CACHED:
-                continue
+        for b in sorted(a.cached_blocks()):  # the cached list (not a scan of the pool), in block order
             h = self._hash_of(b)
             if h is None or h in self.pinned:
                 continue
@@ -223,11 +225,11 @@ class TierManager:
         return [b for b, _ in sorted(out, key=lambda pair: self.priority(pair[1], now))]
 
     def _swap_out_cached(self, target_held: int, now: float) -> int:
-        a, pc, moved = self.kv.allocator, self.kv.prefix_cache, 0
+        a, moved = self.kv.allocator, 0
         for b in self._candidates(now):
             if a.num_active + a.num_cached <= target_held:
                 break
-            with pc._lock:  # another thread may have revived or evicted the block since it was listed
+            with a.lock:  # another thread may have revived or evicted the block since it was listed
                 h = self._hash_of(b)
                 if a.state[b] != BlockState.CACHED or h is None:
                     continue
@@ -236,10 +238,8 @@ class TierManager:
             if self.store.locate(key) is None and not any(self.store.put(key, data, t.name) for t in self.store.tiers):
                 self.counts["swap_out_failed"] += 1
                 continue  # nowhere to put it: keep it on the device rather than lose it
-            with pc._lock:
-                if a.state[b] != BlockState.CACHED or self._hash_of(b) != h:
-                    continue  # reused meanwhile: the stored copy is still right, the device block is not ours
-                pc.forget(b)  # refcount 0 and no longer cacheable: back to the free list
+            if not a.uncache_if(b, h):  # atomically: still cached under h? then back to the free list
+                continue  # reused meanwhile: the stored copy is still right, the device block is not ours
             self.history.pop(b, None)
             moved += 1
         if moved:
@@ -314,27 +314,26 @@ class TierManager:
         """Blocks that continue ``device_blocks``: reloaded from the tiers into fresh device blocks, interleaved
         with blocks still on the device further along (the caller owns one reference to each). Empty when
         nothing follows in the tiers or recomputing is cheaper; shorter when a copy cannot be read."""
-        pc, t = self.kv.prefix_cache, self.kv.spec.block_size
+        t, a = self.kv.spec.block_size, self.kv.allocator
         token_ids = list(token_ids)
         limit = max(0, (len(token_ids) - 1) // t)
         first = len(device_blocks)
         if first >= limit:
             return []
-        hashes = pc.hashes(token_ids[: limit * t], cache_salt)
+        hashes = self._chain_from(token_ids, cache_salt, device_blocks, limit)
         located: dict[int, str | None] = {}  # tier lookups (network and disk) happen outside the allocator lock
         for i in range(first, limit):
-            if hashes[i] in pc._block_of:
+            if a.block_with_hash(hashes[i]) is not None:
                 continue
             located[i] = self.store.locate(hashes[i].hex())
             if located[i] is None:
                 break
         plan: list[tuple[int, bytes, str | None, int | None]] = []  # (index, hash, tier or None, device block)
-        with pc._lock:  # device blocks in the plan get their reference now, so they cannot be evicted meanwhile
+        with a.lock:  # device blocks in the plan get their reference now, so they cannot be evicted meanwhile
             for i in range(first, limit):
                 h = hashes[i]
-                block = pc._block_of.get(h)
-                if block is not None and pc._tokens_of[block] == tuple(token_ids[i * t : (i + 1) * t]):
-                    self.kv.allocator.incref(block)
+                block = a.take_cached(h, token_ids[i * t : (i + 1) * t])  # verified, with one more holder
+                if block is not None:
                     plan.append((i, h, None, block))
                     continue
                 tier = located.get(i)  # None: not in a tier, or it left the device after the lookups above
@@ -354,6 +353,17 @@ class TierManager:
             raise
         return loaded
 
+    def _chain_from(
+        self, token_ids: list[int], cache_salt: str | None, device_blocks: Sequence[int], limit: int
+    ) -> list[bytes]:
+        """Chain hashes of blocks ``0..limit-1``; those past the device prefix continue from its last block's
+        indexed hash (the prefix is not hashed again), the others are hashed from the token ids."""
+        pc, t, first = self.kv.prefix_cache, self.kv.spec.block_size, len(device_blocks)
+        parent = self.kv.allocator.hash_of(device_blocks[-1]) if first else b""
+        if parent is None:  # not indexed (a private copy): hash the whole prefix
+            return pc.hashes(token_ids[: limit * t], cache_salt)
+        return [b""] * first + pc.hashes(token_ids[first * t : limit * t], cache_salt, parent)
+
     def _reload(
         self, plan, from_tiers, token_ids, first, owned: set[int], fresh: list[int], reloaded_out: list[int] | None
     ) -> list[int]:
@@ -369,9 +379,7 @@ class TierManager:
                 owned.discard(block)
             return []
         self.counts["decided_reload"] += 1
-        with pc._lock:  # the count and the allocation must agree
-            available = self.kv.allocator.num_available
-            fresh.extend(self.kv.allocator.allocate(min(len(from_tiers), available)) if available else [])
+        fresh.extend(self.kv.allocator.allocate_up_to(len(from_tiers)))  # the count and the allocation agree
         loaded: list[int] = []
         now = self.clock()
         reloaded = 0
@@ -421,11 +429,7 @@ class TierManager:
             check_type("cache_salt", cache_salt, str)
         t, pc = self.kv.spec.block_size, self.kv.prefix_cache
         token_ids = list(token_ids)
-        device = pc.lookup(token_ids, cache_salt)
-        with pc._lock:  # a prefetch is not a request: keep it out of the prefix hit statistics
-            pc.queries -= 1
-            pc.query_tokens -= len(token_ids)
-            pc.hit_tokens -= len(device) * t
+        device = pc.lookup(token_ids, cache_salt, count=False)  # a prefetch is not a request: no hit statistics
         reloaded: list[int] = []
         try:
             more = self.extend_prefix(token_ids[: (len(device) + max_blocks) * t + 1], cache_salt, device, reloaded)
