@@ -1,4 +1,5 @@
-"""Every ```python block of README.md runs as written (offline, on the shipped model), each on its own.
+"""Every ```python block of README.md runs as written (offline, on the shipped or the prepared real model), each on
+its own.
 
 A block that cannot run here (a GPU, a Jetson, a download) is preceded by ``<!-- snippet: skip (reason) -->``;
 it is reported as skipped with that reason, never silently left out.
@@ -11,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from conftest import _real_model_path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 _BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
@@ -45,6 +47,8 @@ def test_readme_snippet_runs(line, code, skip, tmp_path, monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)  # anything a snippet writes stays in the test's folder
     namespace = {"__name__": f"readme_line_{line}"}
+    if "pretrained_path" in code or "load_pretrained" in code:
+        _real_model_path()  # skips (fails in CI) with the command to run when the real model is missing
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         exec(compile(code, f"README.md:{line}", "exec"), namespace)
