@@ -141,12 +141,13 @@ def dense_attention(
     scores = (qg @ k.transpose(-1, -2)).float() * scale  # [H, G·Q, S]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    q_pos = torch.arange(s - nq, s, device=q.device).repeat(group)  # [G·Q]
-    k_pos = torch.arange(s, device=q.device)
-    allowed = k_pos[None, :] <= q_pos[:, None]  # [G·Q, S]
-    if sliding_window is not None:
-        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    if nq > 1 or (sliding_window is not None and sliding_window < s):  # one newest query sees every key
+        q_pos = torch.arange(s - nq, s, device=q.device).repeat(group)  # [G·Q]
+        k_pos = torch.arange(s, device=q.device)
+        allowed = k_pos[None, :] <= q_pos[:, None]  # [G·Q, S]
+        if sliding_window is not None:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        scores = scores.masked_fill(~allowed, float("-inf"))
     if mask is not None:
         rows = _mask_rows(mask.to(q.device), h, group, nq, s)  # [H or 1, G·Q, S]
         scores = scores.masked_fill(~rows, float("-inf")) if rows.dtype == torch.bool else scores + rows.float()

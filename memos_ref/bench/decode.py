@@ -287,16 +287,19 @@ def _engine_overhead(model: Any, rows: int, context: int, warmup: int, steps: in
     from memos_ref.paged import PagedKV
 
     spec = model.kv_spec(block_size=16)
-    length = context + warmup + steps + 2
+    length = context + warmup + steps + 2 * rows + 4
     kv = PagedKV(spec, rows * (spec.blocks_for(length) + 1))
     timed = _TimedModel(model)
     engine = Engine(timed, kv, max_batch=rows)
     gen = torch.Generator().manual_seed(rows)
     prompts = torch.randint(1, 256, (rows, context), generator=gen)
     for prompt in prompts.tolist():
-        engine.submit(Request(prompt, max_new_tokens=warmup + steps + 1))
+        engine.submit(Request(prompt, max_new_tokens=warmup + steps + rows + 2))
     with torch.inference_mode():
-        engine.step()  # admission and prefill of every row, and a first decode step
+        for _ in range(rows + 1):  # admission and prefill of every row (however many per step), untimed
+            engine.step()
+            if len(engine.running) == rows and not engine.waiting:
+                break
     cache = ContiguousCache(capacity=length)
     with torch.inference_mode():
         model(prompts, cache)
