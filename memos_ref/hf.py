@@ -279,7 +279,7 @@ def _release_rows(rows: _Rows) -> None:
     """The finalizer of a dropped cache: free its rows now, unless this thread is inside the allocator (a garbage
     collection can start in the middle of any code), then on the next PagedCache operation."""
     seqs, rows.sequences = rows.sequences, []
-    lock = getattr(rows.kv.allocator, "_lock", None)
+    lock = getattr(rows.kv.allocator, "lock", None)  # the public RLock; a null pool's allocator may have none
     owned = getattr(lock, "_is_owned", None)
     if owned is not None and owned():
         with _pending_lock:
