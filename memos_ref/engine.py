@@ -301,7 +301,7 @@ class Engine:
     def step(self) -> None:
         """Admit what fits, then one decode step for every running request."""
         tiering = self.kv.tier_manager  # attached to kv: evicted cached blocks go down, prefix lookups reload them
-        if tiering is not None and (tiering._thread is None or not tiering._thread.is_alive()):
+        if tiering is not None and not tiering.driven_by_thread:
             tiering.step()  # its watermarks, once per engine step (unless its own thread drives it)
         self._admit()
         if not self.running:
@@ -353,7 +353,7 @@ class Engine:
             rest = batch[done:]
             for (_, seq), n in zip(rest, held[done:]):
                 _rollback(seq, n)
-            self.running = kept + [(r, s) for r, s in rest if not r.finished and not s._freed]
+            self.running = kept + [(r, s) for r, s in rest if not r.finished and not s.freed]
             raise
         self.running = kept
 
@@ -417,7 +417,7 @@ class Engine:
 def _rollback(seq: SequenceCache, n: int) -> None:
     """Cut ``seq`` back to its first ``n`` tokens after a model step failed part-way (some layers written, a
     block perhaps reserved): every layer back to ``n``, blocks past them freed."""
-    if seq._freed:
+    if seq.freed:
         return
     seq.layer_tokens = [min(t, n) for t in seq.layer_tokens]
     seq.num_tokens = max(seq.layer_tokens)

@@ -70,6 +70,9 @@ class SegmentKind(StrEnum):
     SUMMARY = "summary"
 
 
+_SEGMENT_KIND_VALUES = frozenset(kind.value for kind in SegmentKind)
+
+
 @dataclass(frozen=True)
 class Segment:
     """A token range ``[start, stop)`` of a session and what it is."""
@@ -210,7 +213,7 @@ def _parse_segments(raw: Any, num_tokens: int, bad: Callable[[str], CorruptCache
         if not isinstance(item, dict) or set(item) != _SEGMENT_FIELDS:
             raise bad(f"segments[{i}] must be an object with fields {sorted(_SEGMENT_FIELDS)}, got {item!r:.120}")
         kind, seg_id, start, stop = item["kind"], item["seg_id"], item["start"], item["stop"]
-        if not isinstance(kind, str) or kind not in SegmentKind._value2member_map_:
+        if not isinstance(kind, str) or kind not in _SEGMENT_KIND_VALUES:
             raise bad(f"segments[{i}].kind must be one of {[k.value for k in SegmentKind]}, got {kind!r:.80}")
         if not isinstance(seg_id, str) or len(seg_id) > 4096:
             raise bad(f"segments[{i}].seg_id must be a string of at most 4096 characters, got {seg_id!r:.80}")
@@ -538,7 +541,7 @@ def _codec(tokenizer: Any, vocab_size: int) -> ByteCodec | ChatCodec:
 def _segment_kind(kind: Any) -> SegmentKind:
     """``kind`` as a :class:`SegmentKind` (its value as a string is accepted too)."""
     check_type("kind", kind, (SegmentKind, str))
-    if kind not in SegmentKind._value2member_map_:
+    if kind not in _SEGMENT_KIND_VALUES:
         raise InvalidArgumentError(f"kind: expected one of {[k.value for k in SegmentKind]}, got {kind!r:.80}")
     return SegmentKind(kind)
 

@@ -51,14 +51,14 @@ from memos_ref.paged.prefix import PrefixCache, block_hashes, iter_block_hashes
 from memos_ref.paged.sequence import SequenceCache
 from memos_ref.spec import KVSpec
 
-__all__ = ["DequeBlockManager", "human", "plot", "run"]
+__all__ = ["DequeBlockManager", "NullPool", "human", "plot", "run"]
 
 BLOCK = 16
 VLLM_ENV, NANOVLLM_ENV = "MEMOS_REF_VLLM_SRC", "MEMOS_REF_NANOVLLM_SRC"
 _EXTRA = b"\x00"  # the extra key of an empty fingerprint and no salt (what PrefixCache(alloc, 16) mixes in)
 
 
-class _NullPool:
+class NullPool:
     """Stands in for a BlockPool when only metadata is simulated (copy-on-write copies nothing)."""
 
     def __init__(self, layers: int = 1) -> None:
@@ -133,7 +133,7 @@ def _run_ours(num_blocks: int, trace, rounds: int, latencies: list[float] | None
     system_ids, new_tokens, decoded = trace
     alloc = BlockAllocator(num_blocks)
     prefix = PrefixCache(alloc, BLOCK)
-    pool = _NullPool()
+    pool = NullPool()
     history = [list(system_ids) for _ in new_tokens]
     clock = time.perf_counter
     started = clock()

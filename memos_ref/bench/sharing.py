@@ -30,12 +30,12 @@ TASK, DECODE, BLOCK = 64, 64, 16
 
 def _count(n: int, prompt: int) -> dict[str, int]:
     """Blocks held and prefill tokens, by running the paged bookkeeping (no model needed)."""
-    from memos_ref.bench.allocator import _NullPool  # metadata-only pool stand-in
+    from memos_ref.bench.allocator import NullPool  # metadata-only pool stand-in
     from memos_ref.paged.allocator import BlockAllocator
     from memos_ref.paged.sequence import SequenceCache
 
     total = n * 4 + (prompt + TASK + DECODE) // BLOCK * (n + 1) + 8
-    pool = _NullPool()
+    pool = NullPool()
 
     def new(alloc):
         return SequenceCache(pool, alloc)  # type: ignore[arg-type]

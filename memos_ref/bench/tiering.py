@@ -33,12 +33,12 @@ from memos_ref.tiering.manager import TierManager
 from memos_ref.tiering.simulate import MarkovPredictor, interleaved_trace, requests_from_trace, simulate
 from memos_ref.tiering.store import Tier, TierStore
 
-__all__ = ["human", "plot", "run"]
+__all__ = ["codec_table", "human", "plot", "real_blocks", "run"]
 
 POLICIES = ("lru", "lru_k2", "lru_k3", "lfu", "hybrid", "priority")
 
 
-def _real_blocks(model: Any, tokens: int) -> tuple[Any, list[torch.Tensor]]:
+def real_blocks(model: Any, tokens: int) -> tuple[Any, list[torch.Tensor]]:
     """Full KV blocks of the shipped model after prefilling ``tokens`` bytes of held-out code."""
     from memos_ref.hf import PagedCache
     from memos_ref.model import shipped_model_dir
@@ -71,7 +71,8 @@ def _swap_bandwidth(store: TierStore, tier: str, blocks: list[torch.Tensor]) -> 
     return {"tier": tier, "swap_out_gbps": raw / out_s / 1e9, "swap_in_gbps": raw / in_s / 1e9, "blocks": len(blocks)}
 
 
-def _codecs(spec: Any, blocks: list[torch.Tensor], quick: bool) -> list[dict[str, Any]]:
+def codec_table(spec: Any, blocks: list[torch.Tensor], quick: bool) -> list[dict[str, Any]]:
+    """Per dtype and codec: compression ratio and encode/decode throughput of the tier codecs over ``blocks``."""
     rows = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         sample = [b.to(dtype) for b in blocks[: 16 if quick else 64]]
@@ -174,7 +175,7 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
 
     model = load_model()
     bar = tqdm(total=6, desc="bench tiering", disable=not progress)
-    spec, blocks = _real_blocks(model, 512 if quick else 2048)
+    spec, blocks = real_blocks(model, 512 if quick else 2048)
     bar.update()
     bandwidth, break_even = [], {}
     server = RedisServer().start() if redis_server_path() is not None else None
@@ -204,7 +205,7 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
     for row in prefetch:  # what prefetch took off the critical path, and what it moved for nothing
         row["critical_path_reload_ms_avoided"] = row["prefetched_used"] * per_block * 1e3 if per_block else None
         row["wasted_bytes"] = row["prefetched_unused"] * spec.bytes_per_block
-    codecs = _codecs(spec, blocks, quick)
+    codecs = codec_table(spec, blocks, quick)
     bar.update()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -23,7 +23,7 @@ from typing import Any
 from memos_ref.errors import ArgumentTypeError, ConfigError, check_type
 from memos_ref.resilient import MAX_TTL_S, validate_ttl
 
-__all__ = ["MISSING", "CacheBackend"]
+__all__ = ["MISSING", "CacheBackend", "key_list"]
 
 #: What ``get_or_compute`` stores for a computation that found nothing (negative caching).
 MISSING = {"__memos_missing__": True}
@@ -112,7 +112,7 @@ class CacheBackend(ABC):
     def get_many(self, keys: Iterable[str]) -> dict[str, Any]:
         """The live entries among ``keys`` (absent and expired keys are left out)."""
         sentinel = object()
-        found = {key: self.get(key, sentinel) for key in _key_list(keys)}
+        found = {key: self.get(key, sentinel) for key in key_list(keys)}
         return {key: value for key, value in found.items() if value is not sentinel}
 
     def set_many(self, items: Mapping[str, Any], ttl: float | None = DEFAULT) -> None:  # type: ignore[assignment]
@@ -175,7 +175,7 @@ class CacheBackend(ABC):
         return s.get("hits", 0) / lookups if lookups else 0.0
 
 
-def _key_list(keys: Iterable[str]) -> list[str]:
+def key_list(keys: Iterable[str]) -> list[str]:
     """``keys`` as a list (a lone string is refused: iterating it would look up its characters)."""
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
         raise ArgumentTypeError(f"keys: expected an iterable of str, got {type(keys).__name__} ({keys!r:.80})")

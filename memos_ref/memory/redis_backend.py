@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from memos_ref.errors import ConfigError, check_type
-from memos_ref.memory.backend import DEFAULT, CacheBackend, _key_list
+from memos_ref.memory.backend import DEFAULT, CacheBackend, key_list
 from memos_ref.memory.store import encode_value, validate_key
 from memos_ref.resilient import DEFAULT_FAILURE_THRESHOLD, DEFAULT_TIMEOUT_S, ResilientRedis, ttl_to_px
 
@@ -182,7 +182,7 @@ class RedisBackend(CacheBackend):
         self._count("deletes", self._call(unlink_namespace, 0))
 
     def get_many(self, keys: Iterable[str]) -> dict[str, Any]:
-        keys = _key_list(keys)
+        keys = key_list(keys)
         rkeys = [self._key(k) for k in keys]
 
         def read() -> list:

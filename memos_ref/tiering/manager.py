@@ -520,6 +520,11 @@ class TierManager:
         self._thread = threading.Thread(target=loop, name="memos-tier-manager", daemon=True)
         self._thread.start()
 
+    @property
+    def driven_by_thread(self) -> bool:
+        """True while :meth:`start`'s background thread calls :meth:`step` (then callers must not step it)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
         if self._thread is not None:
             self._stop.set()
