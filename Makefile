@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.memos-ref-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup git-filter model redis lab test lint unit notebooks demo bench clean
+.PHONY: setup git-filter model redis lab test lint unit notebooks demo bench readme clean
 
 setup: $(STAMP) git-filter model
 
@@ -94,6 +94,11 @@ bench: setup redis
 		echo "== bench $$name"; \
 		$(BIN)/python -m memos_ref.bench $$name --plot bench_results/$$name.png || exit 1; \
 	done
+
+# The README's generated blocks (between <!-- results:NAME --> markers) from the committed results/*.json;
+# record a result with `python -m memos_ref.bench.report record NAME [--model M]`. make test checks they agree.
+readme: setup
+	$(BIN)/python -m memos_ref.bench.report render
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache bench_results

@@ -1,0 +1,304 @@
+"""README figures generated from committed benchmark results, never typed.
+
+A benchmark run is recorded into ``results/<stem>.json``: the benchmark's own JSON (its ``machine``, ``config``,
+``results`` and ``summary``) plus a ``recorded`` block (UTC date, commit, the 1-minute load average before and
+after, the exact command). The README holds generated blocks between markers::
+
+    <!-- results:waste -->
+    ... generated markdown ...
+    <!-- /results:waste -->
+
+``render`` rewrites every block from the recorded results; ``--check`` only compares and exits 1 on any
+difference (``tests/test_readme_results.py`` runs it, so a README figure that disagrees with the committed
+results fails ``make test``)::
+
+    python -m memos_ref.bench.report record waste            # runs `python -m memos_ref.bench waste --json`
+    python -m memos_ref.bench.report record quant --model smollm2-135m-instruct
+    python -m memos_ref.bench.report render [--check]
+
+A block's renderer names the result file it reads (:data:`BLOCKS`); each block ends with a provenance line
+(date, machine, load, command), so a reader sees what the numbers were measured on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from memos_ref.errors import ConfigError, CorruptCacheError
+
+__all__ = [
+    "BLOCKS",
+    "blocks_in",
+    "check",
+    "load_results",
+    "provenance",
+    "record",
+    "render",
+    "render_block",
+    "render_text",
+]
+
+Report = dict[str, Any]
+_MAX_RESULT_BYTES = 8 << 20  # a recorded benchmark is a few KiB; refuse anything absurd before parsing
+_MARKER = re.compile(r"<!-- results:([a-z0-9_-]+) -->\n(.*?)<!-- /results:\1 -->", re.S)
+
+
+def _root() -> Path:
+    """The repository root: the folder holding ``README.md`` and ``results/`` (cwd or a parent)."""
+    here = Path.cwd().resolve()
+    for folder in (here, *here.parents):
+        if (folder / "README.md").is_file() and (folder / "pyproject.toml").is_file():
+            return folder
+    raise ConfigError(f"no repository root (README.md + pyproject.toml) at or above {here}")
+
+
+def _stem(name: str, model: str | None) -> str:
+    return name if model is None else f"{name}_{model}"
+
+
+def _load_1m() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # not every platform has it
+        return None
+
+
+def _commit(root: Path) -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True)
+    except OSError:
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else "unknown"
+
+
+def record(name: str, *, model: str | None = None, quick: bool = False, root: Path | None = None) -> Path:
+    """Run ``python -m memos_ref.bench NAME --json`` and store its result with where and when it ran."""
+    root = root or _root()
+    cmd = [sys.executable, "-m", "memos_ref.bench", name, "--json"]
+    cmd += ["--model", model] if model else []
+    cmd += ["--quick"] if quick else []
+    load_before = _load_1m()
+    started = _dt.datetime.now(_dt.UTC)
+    proc = subprocess.run(cmd, cwd=root, stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise ConfigError(f"{' '.join(cmd[1:])} exited {proc.returncode}; nothing recorded")
+    report = json.loads(proc.stdout)
+    report["recorded"] = {
+        "date": started.strftime("%Y-%m-%d %H:%M UTC"),
+        "seconds": round((_dt.datetime.now(_dt.UTC) - started).total_seconds(), 1),
+        "commit": _commit(root),
+        "load_1m_before": load_before,
+        "load_1m_after": _load_1m(),
+        "command": "python -m memos_ref.bench " + " ".join(cmd[3:]),
+    }
+    out = root / "results" / f"{_stem(name, model)}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    return out
+
+
+def load_results(root: Path | None = None) -> dict[str, Report]:
+    """Every ``results/*.json``, keyed by file stem; each is bounded in size and must be a benchmark envelope."""
+    folder = (root or _root()) / "results"
+    out: dict[str, Report] = {}
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        if path.is_symlink() or path.stat().st_size > _MAX_RESULT_BYTES:
+            raise CorruptCacheError(f"{path}: expected a regular file of at most {_MAX_RESULT_BYTES} bytes")
+        data = json.loads(path.read_text())
+        missing = {"bench", "machine", "config", "results", "summary", "recorded"} - set(data)
+        if missing:
+            raise CorruptCacheError(f"{path}: expected a recorded benchmark, missing keys {sorted(missing)}")
+        out[path.stem] = data
+    return out
+
+
+# --- formatting --------------------------------------------------------------------------------------------------
+
+
+def _n(x: float, digits: int = 0) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def _pct(x: float, digits: int = 2) -> str:
+    return f"{x:+.{digits}f}%"
+
+
+def provenance(report: Report, stem: str) -> str:
+    """One line: when, on what, under what load, by which command, into which file."""
+    rec, mach = report["recorded"], report["machine"]
+    load = rec.get("load_1m_before")
+    load_txt = f"1-min load {load:g} on {mach.get('cores')} cores" if load is not None else f"{mach.get('cores')} cores"
+    return (
+        f"<sub>Measured {rec['date']} on {mach.get('cpu')}, {load_txt}, torch {mach.get('torch')}, "
+        f"commit {rec['commit']}: `{rec['command']}` → `results/{stem}.json`.</sub>"
+    )
+
+
+def _table(header: list[str], rows: list[list[str]], align: str = "") -> str:
+    align = align or "l" + "r" * (len(header) - 1)
+    sep = ["---" if a == "l" else "---:" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(sep) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# --- renderers: one per README block -----------------------------------------------------------------------------
+
+
+def _waste(r: Report) -> str:
+    rows = r["results"]
+    policies: list[str] = []
+    for row in rows:
+        if row["policy"] not in policies:
+            policies.append(row["policy"])
+    header = ["policy", *[p.replace("blocks of ", "").replace(" from 256", "").replace("x", "×") for p in policies]]
+    body = []
+    for trace in dict.fromkeys(row["trace"] for row in rows):
+        cells = {row["policy"]: row["waste_percent"] for row in rows if row["trace"] == trace}
+        body.append([f"waste, {trace}", *[f"{cells[p]:.2f}%" for p in policies]])
+    return _table(header, body)
+
+
+def _allocator(r: Report) -> str:
+    names = {"ours": "memos-ref `BlockAllocator`", "deque": "deque baseline (nano-vllm style, same hashing)"}
+    names |= {"vllm": "vLLM v1 `BlockPool` + `FreeKVCacheBlockQueue`", "nanovllm": "nano-vllm `BlockManager`"}
+    sizes = sorted({row["pool_blocks"] for row in r["results"]})
+    body = []
+    for who in r["config"]["contenders"]:
+        cells = []
+        for size in sizes:
+            row = next((x for x in r["results"] if x["contender"] == who and x["pool_blocks"] == size), None)
+            cells.append(
+                "—" if row is None else f"{row['seconds']:.2f} s [{row['seconds_min']:.2f}–{row['seconds_max']:.2f}]"
+            )
+        body.append([names.get(who, who), *cells])
+    table = _table(["median seconds [min–max]", *[f"{s:,} blocks" for s in sizes]], body)
+    summary = ", ".join(
+        f"`{k}` = {v:.3g}" for k, v in r["summary"].items() if isinstance(v, float) and ("ratio" in k or "over" in k)
+    )
+    return table + ("\n\n" + summary if summary else "")
+
+
+_QUANT_NAMES = {
+    "fp16": "fp16",
+    "int8_tensor_fixed0.1": "int8 per tensor, scale 0.1 (seed 003)",
+    "int8_tensor_calibrated": "int8 per tensor, calibrated",
+    "int8_token": "int8 per token",
+    "fp8_e4m3": "fp8 e4m3",
+    "kivi4_g32": "KIVI-4 g32 (+128 residual)",
+    "kivi4_g128": "KIVI-4 g128 (+128 residual)",
+    "kivi4_g32_no_residual": "KIVI-4 g32, no residual",
+    "kivi2_g32": "KIVI-2 g32 (+128 residual)",
+    "kivi2_g32_no_residual": "KIVI-2 g32, no residual",
+    "kivi2_g128": "KIVI-2 g128 (+128 residual)",
+    "aging_int8_after256": "aging: int8 after 256 tokens",
+    "aging_kivi4_after256": "aging: KIVI-4 after 256 tokens",
+}
+
+
+def _quant(r: Report) -> str:
+    n = r["config"]["generated_tokens"]
+    body = []
+    for row in r["results"]:
+        delta = _pct(row["ppl_delta_pct"])
+        body.append(
+            [
+                _QUANT_NAMES.get(row["scheme"], row["scheme"]),
+                f"**{delta}**" if row["ppl_delta_pct"] > 0.5 else delta,
+                f"{row['kl_mean']:.1e}",
+                f"{n - row['mismatches']}/{n}",
+                f"{row['bytes_per_token_ratio']:.3f}",
+            ]
+        )
+    head = f"fp32 perplexity {r['summary']['ppl_fp32']:.2f} over {r['config']['context_tokens']:,} tokens.\n\n"
+    return head + _table(["scheme", "perplexity Δ", "KL", "greedy", "bytes/token vs fp16"], body)
+
+
+BLOCKS: dict[str, tuple[str, Callable[[Report], str]]] = {
+    "waste": ("waste", _waste),
+}
+"""README block name → (result file stem, renderer)."""
+
+
+def blocks_in(text: str) -> list[str]:
+    """The names of the results blocks in a README text, in order."""
+    return [m[1] for m in _MARKER.finditer(text)]
+
+
+def render_block(name: str, results: dict[str, Report]) -> str:
+    """The generated markdown of one README block (table + provenance line)."""
+    if name not in BLOCKS:
+        raise ConfigError(f"README block results:{name}: expected one of {sorted(BLOCKS)}")
+    stem, fn = BLOCKS[name]
+    if stem not in results:
+        raise ConfigError(
+            f"README block results:{name} needs results/{stem}.json; record it with "
+            f"`python -m memos_ref.bench.report record {stem.split('_')[0]}`"
+        )
+    return fn(results[stem]) + "\n\n" + provenance(results[stem], stem) + "\n"
+
+
+def render_text(text: str, results: dict[str, Report]) -> str:
+    """``text`` with every results block regenerated."""
+    opened = re.findall(r"<!-- results:([a-z0-9_-]+) -->", text)
+    closed = re.findall(r"<!-- /results:([a-z0-9_-]+) -->", text)
+    if opened != closed:
+        raise ConfigError(f"README results markers unbalanced: opened {opened}, closed {closed}")
+    return _MARKER.sub(
+        lambda m: f"<!-- results:{m[1]} -->\n{render_block(m[1], results)}<!-- /results:{m[1]} -->", text
+    )
+
+
+def render(root: Path | None = None, *, write: bool = True) -> list[str]:
+    """Regenerate README.md's blocks; returns the names of blocks whose text changed."""
+    root = root or _root()
+    readme = root / "README.md"
+    text = readme.read_text()
+    new = render_text(text, load_results(root))
+    changed = [m[1] for m, n in zip(_MARKER.finditer(text), _MARKER.finditer(new), strict=True) if m[0] != n[0]]
+    if write and new != text:
+        readme.write_text(new)
+    return changed
+
+
+def check(root: Path | None = None) -> list[str]:
+    """Names of README blocks that disagree with the committed results (empty when all agree)."""
+    return render(root, write=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m memos_ref.bench.report", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    rec = sub.add_parser("record", help="run a benchmark and store results/<name>.json")
+    rec.add_argument("name")
+    rec.add_argument("--model")
+    rec.add_argument("--quick", action="store_true")
+    ren = sub.add_parser("render", help="regenerate the README's results blocks")
+    ren.add_argument("--check", action="store_true", help="compare only; exit 1 when the README disagrees")
+    args = parser.parse_args(argv)
+    if args.cmd == "record":
+        print(record(args.name, model=args.model, quick=args.quick))
+        return 0
+    if args.check:
+        stale = check()
+        if stale:
+            print(f"README blocks disagree with results/: {stale}; run `python -m memos_ref.bench.report render`")
+            return 1
+        print("README results blocks agree with results/")
+        return 0
+    print(f"rewrote {render() or 'nothing'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""The README's generated figures agree with the committed benchmark results (memos_ref.bench.report)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from memos_ref.bench import report
+from memos_ref.errors import ConfigError, CorruptCacheError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A copy of the README, pyproject and results/ to edit freely."""
+    for name in ("README.md", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    shutil.copytree(ROOT / "results", tmp_path / "results")
+    return tmp_path
+
+
+def test_readme_agrees_with_committed_results() -> None:
+    stale = report.check(ROOT)
+    assert stale == [], f"README blocks {stale} disagree with results/: run `python -m memos_ref.bench.report render`"
+
+
+def test_every_block_is_used_and_every_result_is_read() -> None:
+    text = (ROOT / "README.md").read_text()
+    used = set(report.blocks_in(text))
+    assert used == set(report.BLOCKS), f"README blocks {sorted(used)} vs renderers {sorted(report.BLOCKS)}"
+    assert {stem for stem, _ in report.BLOCKS.values()} == set(report.load_results(ROOT))
+
+
+def test_a_changed_result_makes_the_check_fail(repo: Path) -> None:
+    path = repo / "results" / "waste.json"
+    data = json.loads(path.read_text())
+    data["results"][0]["waste_percent"] += 1.0
+    path.write_text(json.dumps(data))
+    assert report.check(repo) == ["waste"]
+    assert report.render(repo) == ["waste"]  # rewriting brings them back in agreement
+    assert report.check(repo) == []
+
+
+def test_a_hand_typed_figure_inside_a_block_makes_the_check_fail(repo: Path) -> None:
+    readme = repo / "README.md"
+    text = readme.read_text()
+    start = text.index("<!-- results:waste -->")
+    pos = text.index("70.52%", start)
+    readme.write_text(text[:pos] + "70.5%" + text[pos + len("70.52%") :])
+    assert report.check(repo) == ["waste"]
+
+
+def test_unbalanced_markers_and_unknown_blocks_are_refused(repo: Path) -> None:
+    results = report.load_results(repo)
+    with pytest.raises(ConfigError, match="unbalanced"):
+        report.render_text("<!-- results:waste -->\nx\n", results)
+    with pytest.raises(ConfigError, match="expected one of"):
+        report.render_text("<!-- results:nope -->\nx\n<!-- /results:nope -->", results)
+    with pytest.raises(ConfigError, match="record it"):
+        report.render_text("<!-- results:waste -->\nx\n<!-- /results:waste -->", {})
+
+
+def test_foreign_result_files_are_bounded_and_checked(repo: Path) -> None:
+    bad = repo / "results" / "bogus.json"
+    bad.write_text(json.dumps({"bench": "x"}))
+    with pytest.raises(CorruptCacheError, match="missing keys"):
+        report.load_results(repo)
+    bad.unlink()
+    bad.symlink_to(repo / "results" / "waste.json")
+    with pytest.raises(CorruptCacheError, match="regular file"):
+        report.load_results(repo)
+
+
+def test_recorded_waste_equals_a_fresh_run() -> None:
+    """The waste benchmark is deterministic: the committed counts are what the code computes now."""
+    from memos_ref.bench import waste
+
+    fresh = waste.run(quick=False, progress=False)
+    recorded = report.load_results(ROOT)["waste"]
+    assert fresh["results"] == recorded["results"]
+    assert fresh["config"] == recorded["config"]
