@@ -10,6 +10,14 @@ thread unless told otherwise. The count is decided once per process, here, inste
 
 ``MEMOS_REF_NOTEBOOK_THREADS=2`` (or ``setup(threads=2)``) asks for more; the request is capped at the CPUs
 this process may run on (``os.sched_getaffinity``) and at :data:`MAX_THREADS`.
+
+The notebooks' "claim vs measured" verdicts are chosen by code, never typed: :func:`verdict` picks
+"reproduced", "not reproduced" or "opposite" from what was measured, and :class:`ClaimsTable` collects the rows
+into the table that ends a notebook (markdown in JupyterLab, aligned text in a terminal)::
+
+    claims = ClaimsTable()
+    claims.add("seed 000", "concat re-copies the cache every step", f"{copied:,} B", verdict(copied == formula))
+    claims                   # renders as a markdown table
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memos_ref.errors import ConfigError, check_index
+from memos_ref.errors import ConfigError, InvalidArgumentError, check_index, check_type
 
 ENV_VAR = "MEMOS_REF_NOTEBOOK_THREADS"
 DEFAULT_THREADS = 1
@@ -146,3 +154,100 @@ def setup(seed: int = 0, threads: int | None = None) -> NotebookEnv:
         transformers=transformers.__version__,
         memos_ref=memos_ref.__version__,
     )
+
+
+# ------------------------------------------------------------------------------------------ claims and verdicts
+REPRODUCED = "reproduced"
+NOT_REPRODUCED = "not reproduced"
+OPPOSITE = "opposite"
+VERDICTS = (REPRODUCED, NOT_REPRODUCED, OPPOSITE)
+
+
+def verdict(holds: bool, *, opposite: bool = False) -> str:
+    """The verdict on a claim from what was measured: :data:`REPRODUCED` when ``holds``, :data:`OPPOSITE` when
+    the measurement shows the reverse of the claim, else :data:`NOT_REPRODUCED`.
+
+    Both flags true is a contradiction in the caller's test and raises
+    :class:`~memos_ref.errors.InvalidArgumentError`.
+    """
+    holds, opposite = bool(holds), bool(opposite)
+    if holds and opposite:
+        raise InvalidArgumentError("a claim cannot be both reproduced and contradicted: check the two conditions")
+    return REPRODUCED if holds else OPPOSITE if opposite else NOT_REPRODUCED
+
+
+def ratio_verdict(measured: float, claimed: float, *, rel_tol: float) -> str:
+    """The verdict on a claimed ratio (``claimed`` > 1: "x is ``claimed`` times y"): reproduced when
+    ``measured`` is within ``rel_tol`` (relative) of ``claimed`` or beyond it, opposite when ``measured`` is
+    below ``1 / (1 + rel_tol)`` (the effect reversed beyond the tolerance), else not reproduced."""
+    for name, value in (("measured", measured), ("claimed", claimed), ("rel_tol", rel_tol)):
+        check_type(name, value, (int, float))
+    if not claimed > 1 or not rel_tol >= 0 or not measured > 0:
+        raise InvalidArgumentError(
+            f"expected claimed > 1, rel_tol >= 0 and measured > 0 (ratios); got claimed={claimed}, "
+            f"rel_tol={rel_tol}, measured={measured}"
+        )
+    return verdict(measured >= claimed * (1 - rel_tol), opposite=measured < 1 / (1 + rel_tol))
+
+
+@dataclass(frozen=True)
+class ClaimRow:
+    """One claim beside what was measured, and the verdict code chose."""
+
+    source: str
+    claim: str
+    measured: str
+    verdict: str
+
+    def sentence(self) -> str:
+        """The verdict as a sentence: ``source: "claim" -- measured ...: verdict.``"""
+        return f"{self.source}: \u201c{self.claim}\u201d \u2014 measured here: {self.measured} \u2192 {self.verdict}."
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+class ClaimsTable:
+    """The claims a notebook tested, each with its measured value and a verdict chosen by code.
+
+    Displays as a markdown table in JupyterLab (``_repr_markdown_``) and as aligned text with ``print``.
+    """
+
+    HEADER = ("source", "claim", "measured here", "verdict")
+
+    def __init__(self) -> None:
+        self.rows: list[ClaimRow] = []
+
+    def add(self, source: str, claim: str, measured: str, verdict: str) -> ClaimRow:
+        """Add a row (``verdict`` must be one of :data:`VERDICTS`, e.g. from :func:`verdict`); returns it."""
+        for name, value in (("source", source), ("claim", claim), ("measured", measured), ("verdict", verdict)):
+            check_type(name, value, str)
+        if verdict not in VERDICTS:
+            raise InvalidArgumentError(f"verdict must be one of {VERDICTS}, got {verdict!r}: use verdict(...)")
+        row = ClaimRow(source, claim, measured, verdict)
+        self.rows.append(row)
+        return row
+
+    def verdicts(self) -> dict[str, str]:
+        """``{claim: verdict}`` for the checks at the end of a notebook."""
+        return {row.claim: row.verdict for row in self.rows}
+
+    def markdown(self) -> str:
+        """The table in markdown (pipes inside cells escaped)."""
+        lines = ["| " + " | ".join(self.HEADER) + " |", "|" + "---|" * len(self.HEADER)]
+        for row in self.rows:
+            cells = (row.source, row.claim, row.measured, f"**{row.verdict}**")
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        return "\n".join(lines)
+
+    def _repr_markdown_(self) -> str:
+        return self.markdown()
+
+    def __str__(self) -> str:
+        table = [self.HEADER, *((r.source, r.claim, r.measured, r.verdict) for r in self.rows)]
+        widths = [max(len(line[i]) for line in table) for i in range(len(self.HEADER))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in table)
+
+    def __len__(self) -> int:
+        return len(self.rows)

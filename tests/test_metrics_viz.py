@@ -6,13 +6,15 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from memos_ref.errors import InvalidArgumentError
 from memos_ref.metrics import PagedMetrics
 from memos_ref.paged import PagedKV
 from memos_ref.spec import KVSpec
-from memos_ref.viz import draw, snapshot, stepper
+from memos_ref.viz import draw, draw_steps, snapshot, stepper
 
 SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, block_size=8)
 
@@ -56,3 +58,35 @@ def test_snapshot_and_drawing():
     ax = draw(snap)
     assert len(ax.patches) == 12
     assert stepper([snap, snap]) is not None
+
+
+def _forked_pool() -> PagedKV:
+    kv = PagedKV(SPEC, 12)
+    a = kv.new_sequence()
+    a.reserve(12, list(range(12)))
+    a.mark_written()
+    b = a.fork()
+    b.reserve(1, [5])
+    b.mark_written()
+    return kv
+
+
+def test_drawing_has_a_legend_naming_every_colour():
+    snap = snapshot(_forked_pool(), "legend")
+    ax = draw(snap)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels[:3] == ["free", "cached (no holder, evictable)", "shared (number = refcount)"]
+    owners = sorted({h[0] for h in snap.holders if len(h) == 1})
+    assert len(owners) == 2 and labels[3:] == [f"seq {o} only (pale = part full)" for o in owners]
+    assert draw(snap, legend=False).get_legend() is None
+
+
+def test_draw_steps_is_static_with_one_panel_per_snapshot_and_one_legend():
+    kv = _forked_pool()
+    steps = [snapshot(kv, f"step {i}") for i in range(3)]
+    fig = draw_steps(steps, per_row=2)
+    panels = [ax for ax in fig.axes if ax.patches]
+    assert [ax.get_title() for ax in panels] == ["step 0", "step 1", "step 2"]
+    assert all(len(ax.patches) == 12 for ax in panels) and len(fig.legends) == 1
+    with pytest.raises(InvalidArgumentError):
+        draw_steps([])

@@ -114,3 +114,54 @@ def test_a_bad_seed_changes_nothing(fresh, seed):
     with pytest.raises((ArgumentTypeError, InvalidArgumentError), match="seed"):
         notebook.setup(seed=seed)
     assert torch.get_num_threads() == 3 and notebook._decided is None
+
+
+# ------------------------------------------------------------------------------ claims table and verdicts
+def test_verdict_is_chosen_from_the_measurement():
+    assert notebook.verdict(True) == notebook.REPRODUCED
+    assert notebook.verdict(False) == notebook.NOT_REPRODUCED
+    assert notebook.verdict(False, opposite=True) == notebook.OPPOSITE
+    with pytest.raises(InvalidArgumentError):
+        notebook.verdict(True, opposite=True)
+
+
+@given(claimed=st.floats(1.01, 10), measured=st.floats(0.01, 20), tol=st.floats(0, 0.5))
+def test_ratio_verdict_partitions_the_measurements(claimed, measured, tol):
+    got = notebook.ratio_verdict(measured, claimed, rel_tol=tol)
+    if measured >= claimed * (1 - tol):
+        assert got == notebook.REPRODUCED
+    elif measured < 1 / (1 + tol):
+        assert got == notebook.OPPOSITE
+    else:
+        assert got == notebook.NOT_REPRODUCED
+
+
+def test_ratio_verdict_refuses_what_is_not_a_ratio():
+    for measured, claimed, tol in ((1.0, 1.0, 0.1), (0.0, 2.0, 0.1), (1.0, 2.0, -0.1)):
+        with pytest.raises(InvalidArgumentError):
+            notebook.ratio_verdict(measured, claimed, rel_tol=tol)
+    with pytest.raises(ArgumentTypeError):
+        notebook.ratio_verdict("2", 2.0, rel_tol=0.1)
+
+
+def test_claims_table_renders_every_row_and_escapes_pipes():
+    table = notebook.ClaimsTable()
+    row = table.add("seed 000", "a | b grows", "3.2x", notebook.verdict(True))
+    table.add("vLLM", "waste < 4%", "0.5%", notebook.verdict(False, opposite=True))
+    md = table.markdown().splitlines()
+    assert md[0] == "| source | claim | measured here | verdict |" and len(md) == 2 + len(table) == 4
+    assert "a \\| b grows" in md[2] and "**reproduced**" in md[2] and "**opposite**" in md[3]
+    assert table._repr_markdown_() == table.markdown()
+    assert str(table).splitlines()[1].split() == ["seed", "000", "a", "|", "b", "grows", "3.2x", "reproduced"]
+    assert table.verdicts() == {"a | b grows": "reproduced", "waste < 4%": "opposite"}
+    assert "3.2x" in row.sentence() and row.sentence().endswith("reproduced.")
+
+
+def test_claims_table_refuses_a_typed_verdict_and_stays_unchanged():
+    table = notebook.ClaimsTable()
+    table.add("s", "c", "m", notebook.REPRODUCED)
+    with pytest.raises(InvalidArgumentError):
+        table.add("s", "c2", "m", "holds")  # a verdict typed in advance, not one of the three
+    with pytest.raises(ArgumentTypeError):
+        table.add("s", "c3", 1.5, notebook.REPRODUCED)
+    assert len(table) == 1
