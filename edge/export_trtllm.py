@@ -42,6 +42,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from memos_ref.errors import ConfigError
+from memos_ref.model.rope_config import RopeConfig, read_rope_config
 
 __all__ = [
     "TOKENIZER_FILES",
@@ -88,28 +89,18 @@ def resolve_model_dir(model: str | Path | None) -> Path:
 
 
 def rope_settings(cfg: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """``(rotary_base, rotary_scaling)`` for TensorRT-LLM from a transformers config in either layout:
-    ``rope_parameters`` (transformers ≥ 5: ``rope_theta``, ``rope_type`` and the scaling fields together) or
-    top-level ``rope_theta`` / ``rope_scaling`` (older). The scaling dict is ``None`` for the default RoPE and
-    otherwise carries both ``type`` and ``rope_type`` (TensorRT-LLM reads ``type``)."""
-    params = cfg.get("rope_parameters")
-    if params is not None and not isinstance(params, Mapping):
-        raise ConfigError(f"rope_parameters must be a mapping, got {type(params).__name__}")
-    if params:
-        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        kind = params.get("rope_type", params.get("type", "default"))
-        scaling = None if kind == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = cfg.get("rope_theta", 10000.0)
-        scaling = cfg.get("rope_scaling")
-        scaling = dict(scaling) if scaling else None
-    if isinstance(theta, bool) or not isinstance(theta, int | float) or not math.isfinite(theta) or theta <= 0:
-        raise ConfigError(f"rope_theta must be a finite number > 0, got {theta!r}")
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        scaling.setdefault("type", kind)
-        scaling.setdefault("rope_type", kind)
-    return float(theta), scaling
+    """``(rotary_base, rotary_scaling)`` for TensorRT-LLM from a transformers config in either layout, read by the
+    package's one RoPE reader (:func:`memos_ref.model.rope_config.read_rope_config`: ``rope_parameters`` or the
+    older top-level ``rope_theta`` / ``rope_scaling``; Llama-3.1 scaling validated). The scaling dict is ``None``
+    for the default RoPE and otherwise carries both ``type`` and ``rope_type`` (TensorRT-LLM 0.12 reads ``type``:
+    ``tensorrt_llm/models/llama/config.py``, ``RotaryScalingType.from_string(rotary_scaling["type"])``)."""
+    rope = read_rope_config(cfg)
+    if rope.is_default:
+        return rope.theta, None
+    scaling = dict(rope.scaling)
+    scaling.setdefault("type", rope.rope_type)
+    scaling.setdefault("rope_type", rope.rope_type)
+    return rope.theta, scaling
 
 
 def _load_hf(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -170,6 +161,44 @@ def trtllm_config(cfg: dict[str, Any], dtype: str, kv_int8: bool = False) -> dic
     return out
 
 
+#: TensorRT-LLM's gated-MLP names for transformers' (``fc`` goes through SiLU: it is ``gate_proj``).
+_MLP_NAMES = (("fc", "gate_proj"), ("gate", "up_proj"), ("proj", "down_proj"))
+
+
+def bias_flags(config: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -> dict[str, bool]:
+    """The checkpoint's bias flags from the biases the weights hold, or :class:`ConfigError` for a combination
+    TensorRT-LLM 0.12 cannot express.
+
+    Its Llama builds every attention linear (qkv and dense) with ``bias=config.attn_bias`` and the gated MLP with
+    ``bias=config.mlp_bias`` (``tensorrt_llm/models/llama/model.py``); a bias tensor in the checkpoint whose flag is
+    false is not loaded — the engine drops it with only a warning and computes a different model. So every bias
+    goes out with its flag, and a model whose biases no flag describes (qkv without dense, part of the MLP) is
+    refused. Qwen2 (``QWenForCausalLM``, ``qwen_type = qwen2``) has the qkv bias built in and nothing else."""
+    layers = int(config["num_hidden_layers"])
+    attn = [f"model.layers.{{}}.self_attn.{p}_proj.bias" for p in "qkvo"]
+    mlp = [f"model.layers.{{}}.mlp.{hf}.bias" for _, hf in _MLP_NAMES]
+
+    def present(names: list[str]) -> list[bool]:
+        return [n.format(i) in state for i in range(layers) for n in names]
+
+    qkv, dense, mlp_has = present(attn[:3]), present(attn[3:]), present(mlp)
+    if len(set(qkv)) > 1 or len(set(mlp_has)) > 1:
+        raise ConfigError("some layers or projections have biases and others not: TensorRT-LLM's flags are per model")
+    has_qkv, has_dense, has_mlp = qkv[0], dense[0], mlp_has[0]
+    if len(set(dense)) > 1:
+        raise ConfigError("some layers have an o_proj bias and others not: TensorRT-LLM's attn_bias is per model")
+    if config["architecture"] == "QWenForCausalLM":
+        if has_dense or has_mlp:
+            raise ConfigError("a Qwen2 model with o_proj or MLP biases cannot be expressed in TensorRT-LLM 0.12's QWen")
+        return {}
+    if has_qkv != has_dense:
+        raise ConfigError(
+            f"q/k/v biases {'present' if has_qkv else 'absent'} but o_proj bias {'present' if has_dense else 'absent'}:"
+            " TensorRT-LLM's Llama has one attn_bias flag for qkv and dense; this model cannot be exported faithfully"
+        )
+    return {"attn_bias": has_qkv, "mlp_bias": has_mlp}
+
+
 def convert(
     model_dir: str | Path,
     out_dir: str | Path,
@@ -194,6 +223,7 @@ def convert(
             raise ConfigError(f"{model_dir}: weight {name!r} is missing")
         return state[name].to(t)
 
+    config.update(bias_flags(config, state))
     w["transformer.vocab_embedding.weight"] = get("model.embed_tokens.weight")
     for i in range(config["num_hidden_layers"]):
         src, dst = f"model.layers.{i}.", f"transformer.layers.{i}."
@@ -202,9 +232,12 @@ def convert(
         if attn + "q_proj.bias" in state:
             w[dst + "attention.qkv.bias"] = torch.cat([get(attn + f"{p}_proj.bias") for p in "qkv"], dim=0)
         w[dst + "attention.dense.weight"] = get(attn + "o_proj.weight")
-        w[dst + "mlp.fc.weight"] = get(src + "mlp.gate_proj.weight")  # fc goes through SiLU
-        w[dst + "mlp.gate.weight"] = get(src + "mlp.up_proj.weight")
-        w[dst + "mlp.proj.weight"] = get(src + "mlp.down_proj.weight")
+        if config.get("attn_bias") and config["architecture"] == "LlamaForCausalLM":
+            w[dst + "attention.dense.bias"] = get(attn + "o_proj.bias")
+        for trt, hf in _MLP_NAMES:
+            w[dst + f"mlp.{trt}.weight"] = get(src + f"mlp.{hf}.weight")
+            if config.get("mlp_bias"):
+                w[dst + f"mlp.{trt}.bias"] = get(src + f"mlp.{hf}.bias")
         w[dst + "input_layernorm.weight"] = get(src + "input_layernorm.weight")
         w[dst + "post_layernorm.weight"] = get(src + "post_attention_layernorm.weight")
     w["transformer.ln_f.weight"] = get("model.norm.weight")
@@ -337,9 +370,9 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
-def _rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
+def _rope(x: torch.Tensor, pos: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     d = x.shape[-1]
-    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    inv = rope.inv_freq(d)  # [D/2], scaled as the config says (Llama-3.1 included)
     ang = pos[:, None].float() * inv[None]  # [S, D/2]
     cos, sin = torch.cat([ang.cos()] * 2, -1).to(x.dtype), torch.cat([ang.sin()] * 2, -1).to(x.dtype)
     half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
@@ -352,9 +385,16 @@ def reference_forward(ckpt_dir: str | Path, input_ids: torch.Tensor) -> torch.Te
     the oracle that catches a wrong qkv order or a swapped fc/gate."""
     ckpt_dir = Path(ckpt_dir)
     c = json.loads((ckpt_dir / "config.json").read_text())
-    if c.get("rotary_scaling"):
-        raise ConfigError(f"reference_forward computes the default RoPE only; the checkpoint has {c['rotary_scaling']}")
+    rope = read_rope_config({"rope_theta": c["rotary_base"], "rope_scaling": c.get("rotary_scaling")})
     w = load_file(str(ckpt_dir / "rank0.safetensors"))
+    qwen = c["architecture"] == "QWenForCausalLM"
+    # what the engine loads: a bias whose flag is false is dropped by TensorRT-LLM, so the oracle drops it too
+    attn_bias, mlp_bias = qwen or bool(c.get("attn_bias")), bool(c.get("mlp_bias"))
+
+    def lin(x: torch.Tensor, name: str, bias: bool) -> torch.Tensor:
+        y = x @ w[name + ".weight"].T
+        return y + w[name + ".bias"] if bias and name + ".bias" in w else y
+
     nq, nkv, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_size"]
     s = input_ids.shape[0]
     pos = torch.arange(s)
@@ -363,19 +403,17 @@ def reference_forward(ckpt_dir: str | Path, input_ids: torch.Tensor) -> torch.Te
     for i in range(c["num_hidden_layers"]):
         p = f"transformer.layers.{i}."
         y = _rms(x, w[p + "input_layernorm.weight"], c["norm_epsilon"])
-        qkv = y @ w[p + "attention.qkv.weight"].T
-        if p + "attention.qkv.bias" in w:
-            qkv = qkv + w[p + "attention.qkv.bias"]
+        qkv = lin(y, p + "attention.qkv", attn_bias)
         q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
-        q = _rope(q.view(s, nq, d).transpose(0, 1), pos, c["rotary_base"])  # [Hq, S, D]
-        k = _rope(k.view(s, nkv, d).transpose(0, 1), pos, c["rotary_base"])
+        q = _rope(q.view(s, nq, d).transpose(0, 1), pos, rope)  # [Hq, S, D]
+        k = _rope(k.view(s, nkv, d).transpose(0, 1), pos, rope)
         v = v.view(s, nkv, d).transpose(0, 1)
         k, v = k.repeat_interleave(nq // nkv, 0), v.repeat_interleave(nq // nkv, 0)
         att = ((q @ k.transpose(-1, -2)).float() / math.sqrt(d) + mask).softmax(-1).to(v.dtype) @ v
-        x = x + att.transpose(0, 1).reshape(s, nq * d) @ w[p + "attention.dense.weight"].T
+        x = x + lin(att.transpose(0, 1).reshape(s, nq * d), p + "attention.dense", attn_bias and not qwen)
         y = _rms(x, w[p + "post_layernorm.weight"], c["norm_epsilon"])
-        inter = torch.nn.functional.silu(y @ w[p + "mlp.fc.weight"].T) * (y @ w[p + "mlp.gate.weight"].T)
-        x = x + inter @ w[p + "mlp.proj.weight"].T
+        inter = torch.nn.functional.silu(lin(y, p + "mlp.fc", mlp_bias)) * lin(y, p + "mlp.gate", mlp_bias)
+        x = x + lin(inter, p + "mlp.proj", mlp_bias)
     x = _rms(x, w["transformer.ln_f.weight"], c["norm_epsilon"])
     return (x @ w["lm_head.weight"].T).float()
 
