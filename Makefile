@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.memos-ref-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup git-filter model redis lab test lint unit notebooks demo bench readme clean
+.PHONY: setup git-filter model redis browser lab test lint unit notebooks demo bench readme book clean
 
 setup: $(STAMP) git-filter model
 
@@ -53,6 +53,17 @@ redis:
 		|| { if [ -n "$$CI" ]; then echo "error: could not install redis-server (apt-get install -y redis-server)"; exit 1; \
 		     else echo "warning: redis-server is missing; the Redis tests will be skipped"; fi; }; }
 
+# The book's test opens pages in headless Chromium (Debian's package; root or passwordless sudo). In CI a missing
+# browser is an error; elsewhere that one test skips with a reason.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$$SUDO apt-get install -y chromium >/dev/null 2>&1 \
+		|| { $$SUDO apt-get update >/dev/null 2>&1 && $$SUDO apt-get install -y chromium >/dev/null; } \
+		|| { if [ -n "$$CI" ]; then echo "error: could not install chromium (apt-get install -y chromium)"; exit 1; \
+		     else echo "warning: chromium is missing; the book's browser test will be skipped"; fi; }; }
+
 # `make lab` opens notebooks/ in place and JupyterLab saves outputs into them. The nbstripout clean filter (named
 # in .gitattributes, configured here per clone) strips outputs and execution counts from what git stages and diffs,
 # so a notebook run in Lab is still committed clean, `git status` stays quiet, and `make test` (which checks what
@@ -74,10 +85,10 @@ lab: setup
 	$(BIN)/jupyter lab --notebook-dir=notebooks $(LAB_FLAGS)
 
 lint: setup
-	$(BIN)/ruff check memos_ref kernels edge tests notebooks
-	$(BIN)/ruff format --check memos_ref kernels edge tests
+	$(BIN)/ruff check memos_ref kernels edge tests notebooks scripts
+	$(BIN)/ruff format --check memos_ref kernels edge tests scripts
 
-unit: setup redis
+unit: setup redis browser
 	$(BIN)/python -m pytest tests
 
 notebooks: setup redis
@@ -100,5 +111,9 @@ bench: setup redis
 readme: setup
 	$(BIN)/python -m memos_ref.bench.report render
 
+# The notebooks executed into a static HTML site (book/index.html): outputs, plots, the learning path, the claims.
+book: setup redis
+	$(BIN)/python scripts/build_book.py --out book
+
 clean:
-	rm -rf build dist *.egg-info .pytest_cache .ruff_cache bench_results
+	rm -rf book build dist *.egg-info .pytest_cache .ruff_cache bench_results
