@@ -5,7 +5,8 @@ Each of *n* sub-agents gets the shared prompt of *P* tokens plus a 64-token task
 64 tokens. With sharing, a main agent prefills the prompt once and forks (refcounts, copy-on-write of the
 partly filled tail); without, every sub-agent prefills and stores the prompt itself. Block size 16.
 
-Prefill time is measured for the 512- and 2,048-token prompts only: one 8,256-token prefill through the
+Prefill time is measured in interleaved rounds (the two contenders alternate; the per-round ratio's median and
+min–max are reported) for the 512- and 2,048-token prompts only: one 8,256-token prefill through the
 package's forward (dense fp32 attention) takes about 23 s on 2 CPU cores, so the 16-agent case alone would take
 six minutes; the block and token counts, which are exact, cover 8,192.
 """
@@ -13,13 +14,13 @@ six minutes; the block and token counts, which are exact, cover 8,192.
 from __future__ import annotations
 
 import random
-import time
+import statistics
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from memos_ref.bench.common import envelope, format_table
+from memos_ref.bench.common import envelope, format_table, ratio_stats, time_interleaved_ms
 from memos_ref.hf import PagedCache
 from memos_ref.paged import PagedKV
 
@@ -67,23 +68,25 @@ def _count(n: int, prompt: int) -> dict[str, int]:
     }
 
 
-def _time_prefill(model: Any, n: int, prompt_ids: torch.Tensor, tasks: list[torch.Tensor]) -> tuple[float, float]:
+def _prefill_calls(model: Any, n: int, prompt_ids: torch.Tensor, tasks: list[torch.Tensor]) -> dict[str, Any]:
+    """The two contenders: a main agent prefilling the prompt once and forking, or every agent alone."""
     spec = model.kv_spec(block_size=BLOCK)
     blocks = (prompt_ids.shape[1] + TASK) // BLOCK * (n + 2) + 4 * n + 8
-    with torch.inference_mode():
-        kv = PagedKV(spec, blocks)
-        started = time.perf_counter()
-        main = PagedCache(kv)
-        model(prompt_ids, main)
-        for task in tasks:
-            model(task, main.fork())
-        shared = time.perf_counter() - started
-        kv = PagedKV(spec, blocks)
-        started = time.perf_counter()
-        for task in tasks:
-            model(torch.cat([prompt_ids, task], dim=1), PagedCache(kv))
-        alone = time.perf_counter() - started
-    return shared, alone
+
+    def shared() -> None:
+        with torch.inference_mode():
+            main = PagedCache(PagedKV(spec, blocks))
+            model(prompt_ids, main)
+            for task in tasks:
+                model(task, main.fork())
+
+    def alone() -> None:
+        with torch.inference_mode():
+            kv = PagedKV(spec, blocks)
+            for task in tasks:
+                model(torch.cat([prompt_ids, task], dim=1), PagedCache(kv))
+
+    return {"shared": shared, "unshared": alone}
 
 
 def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
@@ -92,6 +95,7 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
     subagents = (1, 4) if quick else (1, 4, 8, 16)
     prompts = (128, 512) if quick else (512, 2048, 8192)
     timed_prompts = prompts if quick else (512, 2048)
+    repeats = 2 if quick else 3
     model = load_model()
     rng = random.Random(0)
     results = []
@@ -103,10 +107,16 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
             if p in timed_prompts:
                 prompt_ids = torch.tensor([[rng.randrange(256) for _ in range(p)]])
                 tasks = [torch.tensor([[rng.randrange(256) for _ in range(TASK)]]) for _ in range(n)]
-                _time_prefill(model, 1, prompt_ids[:, :64], tasks[:1])  # warm-up
-                shared, alone = _time_prefill(model, n, prompt_ids, tasks)
+                # rounds alternate the two contenders (the first round untimed), so load hits both alike
+                times = time_interleaved_ms(_prefill_calls(model, n, prompt_ids, tasks), repeats, warmup=1)
+                ratio = ratio_stats(times["unshared"], times["shared"])
                 row.update(
-                    prefill_seconds_shared=shared, prefill_seconds_unshared=alone, prefill_time_ratio=alone / shared
+                    prefill_seconds_shared=statistics.median(times["shared"]) / 1e3,
+                    prefill_seconds_unshared=statistics.median(times["unshared"]) / 1e3,
+                    prefill_time_ratio=ratio["median"],
+                    prefill_time_ratio_min=ratio["min"],
+                    prefill_time_ratio_max=ratio["max"],
+                    rounds=repeats,
                 )
             results.append(row)
 
@@ -126,6 +136,7 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
         "model": "shipped",
         "forward": "package",
         "timed_prompts": list(timed_prompts),
+        "timing": f"{repeats} interleaved rounds after one untimed round; median and min-max of per-round ratios",
     }
     return envelope("sharing", config, results, summary)
 
