@@ -20,15 +20,23 @@ import triton
 import triton.language as tl
 from memos_kernels.common import NEG, CheckResult, default_device, is_pow2
 from memos_kernels.paged_decode import (
-    online_softmax_step,
+    LOG2E,
+    DecodeWorkspace,
+    attend_tile,
+    dot_flags,
+    load_group,
     paged_decode_reference,
     plan_decode,
     random_paged_case,
     reduce_decode,
+    split_bounds,
+    store_partials,
+    tile_slots,
+    validate_decode_inputs,
 )
 from memos_kernels.timing import time_ms
 
-from memos_ref.errors import ConfigError, DeviceError, DTypeError, ShapeError
+from memos_ref.errors import ConfigError, DeviceError, ShapeError
 
 __all__ = [
     "KERNELS",
@@ -121,57 +129,51 @@ def paged_decode_kivi_reference(
 def decode_kivi_split_kernel(
     q_ptr, tables_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, stg_ptr, slot_ptr,
-    scale,
+    qk_scale,
     s_qb, s_qh,
     s_cb, s_ch, s_ct,
     s_kb, s_kh, s_kg,
     s_vb, s_vh, s_vt,
     s_fb, s_fk, s_fh, s_ft,
-    s_tb, max_blocks, num_splits,
-    G: tl.constexpr, GP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-    BITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+    s_tb, s_tc, tokens_per_split,
+    G: tl.constexpr, GP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+    BITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Split-K decode over KIVI blocks: packed codes (keys per channel over GK tokens, values per token over GV
-    channels, fp16 scale and zero), or the full-precision staging slab for blocks still in the residual window."""
+    """Split-K decode over KIVI blocks on :mod:`memos_kernels.paged_decode`'s skeleton (token tiles through the
+    table, ``tl.dot`` over the query group): each token is read from its block's packed codes (keys per channel
+    over GK tokens, values per token over GV channels, fp16 scale and zero) or, for a block still in the
+    residual window, from the full-precision staging slab."""
     PER: tl.constexpr = 8 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + b)
-    g = tl.arange(0, GP)
+    start, end = split_bounds(lens_ptr, b, s, tokens_per_split)
+    q = load_group(q_ptr, b, h, s_qb, s_qh, G, GP, D, DOT_F32)
     d = tl.arange(0, D)
-    t = tl.arange(0, T)
-    q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
-    q = q.to(tl.float32)
+    shift = ((d % PER) * BITS)[None, :]
     m_i = tl.full((GP,), NEG, tl.float32)
     l_i = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
-    shift = ((d % PER) * BITS)[None, :]
-    for i in range(BLOCKS_PER_SPLIT):
-        idx = s * BLOCKS_PER_SPLIT + i
-        tok0 = idx * T
-        if (tok0 < seq_len) & (idx < max_blocks):
-            block = tl.load(tables_ptr + b * s_tb + idx)
-            ok = (tok0 + t) < seq_len
-            slot = tl.load(slot_ptr + block)
-            if slot >= 0:  # still at full precision (the residual window)
-                f = slot * s_fb + h * s_fh + t[:, None] * s_ft + d[None, :]
-                k = tl.load(stg_ptr + f, mask=ok[:, None], other=0.0).to(tl.float32)
-                v = tl.load(stg_ptr + s_fk + f, mask=ok[:, None], other=0.0).to(tl.float32)
-            else:
-                c = block * s_cb + h * s_ch + t[:, None] * s_ct + (d // PER)[None, :]
-                kcode = ((tl.load(kc_ptr + c, mask=ok[:, None], other=0).to(tl.int32) >> shift) & MASK).to(tl.float32)
-                vcode = ((tl.load(vc_ptr + c, mask=ok[:, None], other=0).to(tl.int32) >> shift) & MASK).to(tl.float32)
-                kq = block * s_kb + h * s_kh + (t // GK)[:, None] * s_kg + d[None, :]
-                k = kcode * tl.load(ks_ptr + kq).to(tl.float32) + tl.load(kz_ptr + kq).to(tl.float32)
-                vq = block * s_vb + h * s_vh + t[:, None] * s_vt + (d // GV)[None, :]
-                v = vcode * tl.load(vs_ptr + vq).to(tl.float32) + tl.load(vz_ptr + vq).to(tl.float32)
-            m_i, l_i, acc = online_softmax_step(q, k, v, ok, m_i, l_i, acc, scale)
-    row = (b * tl.num_programs(1) + h) * num_splits + s
-    tl.store(acc_ptr + (row * GP + g)[:, None] * D + d[None, :], acc)
-    tl.store(m_ptr + row * GP + g, m_i)
-    tl.store(l_ptr + row * GP + g, l_i)
+    for tok0 in range(start, end, TILE):
+        ok, block, off = tile_slots(tables_ptr, b, s_tb, s_tc, tok0, end, T, TILE)
+        slot = tl.load(slot_ptr + block, mask=ok, other=-1)  # [TILE]: the block's staging row, -1 sealed
+        staged = (ok & (slot >= 0))[:, None]
+        sealed = (ok & (slot < 0))[:, None]
+        f = slot.to(tl.int64) * s_fb + h * s_fh + off * s_ft
+        k = tl.load(stg_ptr + f[:, None] + d[None, :], mask=staged, other=0.0).to(tl.float32)
+        v = tl.load(stg_ptr + s_fk + f[:, None] + d[None, :], mask=staged, other=0.0).to(tl.float32)
+        c = (block * s_cb + h * s_ch + off * s_ct)[:, None] + (d // PER)[None, :]
+        kcode = ((tl.load(kc_ptr + c, mask=sealed, other=0).to(tl.int32) >> shift) & MASK).to(tl.float32)
+        vcode = ((tl.load(vc_ptr + c, mask=sealed, other=0).to(tl.int32) >> shift) & MASK).to(tl.float32)
+        kq = (block * s_kb + h * s_kh + (off // GK) * s_kg)[:, None] + d[None, :]
+        k_sc = tl.load(ks_ptr + kq, mask=sealed, other=0.0).to(tl.float32)
+        k += kcode * k_sc + tl.load(kz_ptr + kq, mask=sealed, other=0.0).to(tl.float32)
+        vq = (block * s_vb + h * s_vh + off * s_vt)[:, None] + (d // GV)[None, :]
+        v_sc = tl.load(vs_ptr + vq, mask=sealed, other=0.0).to(tl.float32)
+        v += vcode * v_sc + tl.load(vz_ptr + vq, mask=sealed, other=0.0).to(tl.float32)
+        m_i, l_i, acc = attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, DOT_F32, PREC)
+    store_partials(acc_ptr, m_ptr, l_ptr, b, h, s, acc, m_i, l_i, G, GP, D)
 
 
 KERNELS = (decode_kivi_split_kernel,)
@@ -216,8 +218,10 @@ def _check_blocks(blocks: KiviBlocks, device: torch.device) -> tuple[int, int, i
     stg = blocks.staging
     if stg.ndim != 5 or tuple(stg.shape[1:]) != (2, h, t, d) or not stg.dtype.is_floating_point:
         raise ShapeError(f"staging must be a float [S, 2, {h}, {t}, {d}] slab, got {stg.dtype} {list(stg.shape)}")
-    if blocks.staging_slot.shape != (n,):
-        raise ShapeError(f"staging_slot must be [{n}] (one row per block, -1: sealed)")
+    if blocks.staging_slot.shape != (n,) or blocks.staging_slot.dtype not in (torch.int32, torch.int64):
+        raise ShapeError(f"staging_slot must be an integer [{n}] (one row per block, -1: sealed)")
+    if blocks.staging_slot.device != device or stg.device != device:
+        raise DeviceError(f"the staging slab and slot map must be on the query's device {device}")
     return h, t, d, gv
 
 
@@ -229,42 +233,51 @@ def paged_decode_attention_kivi_packed(
     *,
     scale: float | None = None,
     blocks_per_split: int | None = None,
+    tokens_per_split: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+    workspace: DecodeWorkspace | None = None,
 ) -> torch.Tensor:
     """Decode attention ``query [B, Hq, D]`` -> ``[B, Hq, D]`` over one layer of KIVI blocks given as plain
     tensors (:class:`KiviBlocks`): sealed blocks are unpacked and dequantized in the kernel, blocks of the
-    residual window are read from the full-precision staging slab."""
+    residual window are read from the full-precision staging slab. The split and workspace arguments are
+    :func:`~memos_kernels.paged_decode.paged_decode_attention`'s; nothing is copied to the device per call (the
+    staging slot map must already be there)."""
     h, t, d, gv = _check_blocks(blocks, query.device)
-    if query.ndim != 3:
-        raise ShapeError(f"query must be [batch, q_heads, head_dim], got {tuple(query.shape)}")
-    b, hq, _ = query.shape
-    if query.shape[2] != d or hq % h or block_tables.ndim != 2 or block_tables.shape[0] != b or seq_lens.shape != (b,):
-        raise ShapeError(f"query [{b}, k·{h}, {d}], block_tables [{b}, *] and seq_lens [{b}] expected")
-    if not query.dtype.is_floating_point or query.stride(-1) != 1:
-        raise DTypeError(f"query must be floating point and contiguous along head_dim, got {query.dtype}")
-    dev = query.device
-    stg = blocks.staging if blocks.staging.shape[0] else torch.zeros((1, 2, h, t, d), device=dev)
-    slots = blocks.staging_slot.to(device=dev, dtype=torch.int64)
+    validate_decode_inputs(query, h, d, block_tables, seq_lens)
+    b = query.shape[0]
+    stg = blocks.staging
+    if stg.shape[0] == 0:  # no block is staged (every slot is -1): any pointer serves, none is read
+        stg = stg.new_empty((1, 2, h, t, d))
     kc, ks, kz, vc, vs, vz = (blocks.k_codes, blocks.k_scale, blocks.k_zero, blocks.v_codes, blocks.v_scale,
                               blocks.v_zero)  # fmt: skip
-    max_blocks = block_tables.shape[1]
-    plan = plan_decode(query, h, t, max_blocks, blocks_per_split)
+    if blocks_per_split is not None:
+        if blocks_per_split < 1:
+            raise ConfigError(f"blocks_per_split must be at least 1, got {blocks_per_split}")
+        tokens_per_split = blocks_per_split * t
+    max_len = max_seq_len if max_seq_len is not None else block_tables.shape[1] * t
+    plan = plan_decode(query, h, t, max_len, tokens_per_split=tokens_per_split, workspace=workspace)
+    if out is None:
+        out = torch.empty_like(query)
     if b == 0:
-        return plan.out
-    tables, lens = block_tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
+        return out
+    dot_f32, prec = dot_flags(query)
+    cfg = plan.config
     decode_kivi_split_kernel[plan.grid](
-        query, tables, lens, plan.acc, plan.m, plan.l_sum,
-        kc, ks, kz, vc, vs, vz, stg, slots,
-        scale if scale is not None else 1.0 / math.sqrt(d),
+        query, block_tables, seq_lens, plan.acc, plan.m, plan.l_sum,
+        kc, ks, kz, vc, vs, vz, stg, blocks.staging_slot,
+        (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E,
         query.stride(0), query.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         ks.stride(0), ks.stride(1), ks.stride(2),
         vs.stride(0), vs.stride(1), vs.stride(2),
         stg.stride(0), stg.stride(1), stg.stride(2), stg.stride(3),
-        tables.stride(0), max_blocks, plan.num_splits,
-        G=plan.group, GP=plan.gp, T=t, D=d, BLOCKS_PER_SPLIT=plan.blocks_per_split,
-        BITS=blocks.bits, GK=blocks.group_size, GV=gv,
+        block_tables.stride(0), block_tables.stride(1), plan.tokens_per_split,
+        G=plan.group, GP=cfg.gp, T=t, D=d, TILE=cfg.tile,
+        BITS=blocks.bits, GK=blocks.group_size, GV=gv, DOT_F32=dot_f32, PREC=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return reduce_decode(plan)
+    return reduce_decode(plan, seq_lens, out)
 
 
 def paged_decode_attention_kivi(
@@ -346,7 +359,7 @@ def check_kivi_decode(device: str | None = None, *, seed: int = 0, bits: int = 4
     q, pool, tables, lens = random_paged_case(seed, [70, 9, 0], block_size=32, device=device)
     staged = (int(tables[0, 2]), int(tables[1, 0]))  # the newest block of the first sequence, the second's only
     blocks = random_kivi_blocks(seed, pool.shape[0], bits=bits, staged=staged, device=device)
-    got = paged_decode_attention_kivi_packed(q, blocks, tables, lens, blocks_per_split=1)
+    got = paged_decode_attention_kivi_packed(q, blocks, tables, lens, tokens_per_split=32)
     want = paged_decode_kivi_reference(q, blocks, tables, lens)
     return CheckResult(f"kivi_decode[{bits}bit]", float((got - want).abs().max()), 1e-4)
 

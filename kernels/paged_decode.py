@@ -2,18 +2,20 @@
 
 Told in the Triton tutorials' order — reference (plain torch) → kernels → wrapper → check → benchmark.
 
-GQA (a program serves one KV head and all its query heads), variable lengths, online softmax, split-K over the
-context (flash-decoding: one program per (sequence, KV head, chunk of blocks)) and a reduce kernel that merges
-the chunks' partial softmaxes. Dequantizing variants read the quantized pool's int8 blocks (an fp16 scale per
-token and head) and fp8 e4m3 blocks (an fp32 scale per block and head) in place.
-
-Scores use an elementwise product and a sum instead of ``tl.dot``: a decode query block is 1-8 rows (below
-``tl.dot``'s 16-row minimum), the step is memory-bound anyway, and it avoids the interpreter's bf16 ``tl.dot``
-bug.
+Flash-decoding: one program per (sequence, KV head, split) computes every query head of the GQA group at once
+with ``tl.dot`` (the group padded to ``tl.dot``'s 16 rows, so tensor cores do the products), over token tiles
+whose size does not depend on the block size — a tile gathers several blocks (or part of one) through the block
+table — with online softmax in base 2; a reduce kernel merges the splits' partial softmaxes. The number of
+splits follows a host-known length bound and the SM count; the partials live in a preallocated
+:class:`DecodeWorkspace` (no allocation, fill or host sync per call). ``num_warps``/``num_stages`` come from
+:func:`decode_config`. Dequantizing variants read the quantized pool's int8 blocks (an fp16 scale per token and
+head) and fp8 e4m3 blocks (an fp32 scale per block and head) in place; fp16 and bf16 run natively, and in
+Triton's interpreter ``tl.dot``'s operands are upcast to fp32 (its bf16 ``tl.dot`` is wrong).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -28,21 +30,30 @@ from memos_ref.errors import ConfigError, DeviceError, DTypeError, ShapeError
 __all__ = [
     "KERNELS",
     "QUANT_MODES",
+    "DecodeConfig",
     "DecodePlan",
+    "DecodeWorkspace",
+    "attend_tile",
     "benchmark_paged_decode",
     "check_paged_decode",
+    "decode_config",
     "decode_reduce_kernel",
     "decode_split_kernel",
+    "default_workspace",
     "dequantize_cache",
-    "online_softmax_step",
+    "dot_flags",
     "paged_decode_attention",
     "paged_decode_reference",
     "plan_decode",
+    "plan_splits",
     "random_paged_case",
     "reduce_decode",
+    "sm_count",
+    "validate_decode_inputs",
 ]
 
 QUANT_MODES = {"none": 0, "int8": 1, "fp8": 2}
+LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) == exp2(x · log2 e)
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -93,17 +104,66 @@ def paged_decode_reference(
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def online_softmax_step(q, k, v, ok, m_i, l_i, acc, scale):
-    """Fold one block of keys ``k`` and values ``v`` ``[T, D]`` (valid rows ``ok``) into the running maximum
-    ``m_i``, sum ``l_i`` and accumulator ``acc`` of the query group ``q [GP, D]``."""
-    scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GP, T]
+def tile_slots(tables_ptr, b, s_tb, s_tc, tok0, end, T: tl.constexpr, TILE: tl.constexpr):
+    """A token tile ``tok0 .. tok0 + TILE`` of sequence ``b`` (valid below ``end``) through its block table:
+    the tokens' positions, validity, blocks (int64: block × stride passes 2^31 in big pools) and offsets. The
+    tile spans ``TILE / T`` blocks, or part of one, whatever the block size."""
+    tok = tok0 + tl.arange(0, TILE)
+    ok = tok < end
+    block = tl.load(tables_ptr + b * s_tb + (tok // T) * s_tc, mask=ok, other=0).to(tl.int64)
+    return ok, block, tok % T
+
+
+@triton.jit
+def attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """Fold one tile of keys ``k`` and values ``v`` ``[TILE, D]`` (valid rows ``ok``) into the running maximum
+    ``m_i``, sum ``l_i`` (log2 domain) and accumulator ``acc [GP, D]`` of the query group ``q [GP, D]``, with
+    ``tl.dot`` (tensor cores; ``DOT_F32`` upcasts the operands — the interpreter's bf16 ``tl.dot`` is wrong)."""
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    else:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [GP, TILE], log2 units
     scores = tl.where(ok[None, :], scores, NEG)
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    p = tl.where(ok[None, :], tl.exp(scores - m_new[:, None]), 0.0)  # [GP, T]
-    alpha = tl.exp(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])  # masked columns: exp2(NEG - m) == 0
+    alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
+
+
+@triton.jit
+def split_bounds(lens_ptr, b, s, tokens_per_split):
+    """This program's share of sequence ``b``: tokens ``start .. end`` (empty past its length)."""
+    seq_len = tl.load(lens_ptr + b).to(tl.int32)
+    start = s * tokens_per_split
+    return start, tl.minimum(start + tokens_per_split, seq_len)
+
+
+@triton.jit
+def load_group(q_ptr, b, h, s_qb, s_qh, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr):
+    """The query heads of KV head ``h`` as a ``[GP, D]`` tile (rows past the group ``G`` are zero)."""
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def store_partials(acc_ptr, m_ptr, l_ptr, b, h, s, acc, m_i, l_i, G: tl.constexpr, GP: tl.constexpr,
+                   D: tl.constexpr):  # fmt: skip
+    """The split's partial softmax: ``acc [B, Hkv, S, G, D]``, ``m, l [B, Hkv, S, G]`` (the group's real rows)."""
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    row = ((b * tl.num_programs(1) + h) * tl.num_programs(2) + s) * G + g
+    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
+    tl.store(m_ptr + row, m_i, mask=g < G)
+    tl.store(l_ptr + row, l_i, mask=g < G)
 
 
 @triton.jit
@@ -111,102 +171,164 @@ def decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, tables_ptr, lens_ptr,
     acc_ptr, m_ptr, l_ptr,
     ks_ptr, vs_ptr,
-    scale,
+    qk_scale,
     s_qb, s_qh,
     s_cb, s_ch, s_ct,
     s_sb, s_sh, s_st,
-    s_tb, max_blocks,
-    num_splits,
-    G: tl.constexpr, GP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-    QUANT: tl.constexpr,
+    s_tb, s_tc,
+    tokens_per_split,
+    G: tl.constexpr, GP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+    QUANT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
+    """Program (sequence b, KV head h, split s): the whole query group over tokens ``start .. end`` of the
+    sequence in tiles of ``TILE`` tokens gathered through the block table. ``QUANT`` 0: float caches; 1: int8
+    codes with an fp16 scale per (head, token); 2: fp8 e4m3 bytes with an fp32 scale per (block, head)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + b)
-    g = tl.arange(0, GP)
+    start, end = split_bounds(lens_ptr, b, s, tokens_per_split)
+    q = load_group(q_ptr, b, h, s_qb, s_qh, G, GP, D, DOT_F32)  # [GP, D]
     d = tl.arange(0, D)
-    t = tl.arange(0, T)
-    g_ok = g < G
-    q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :], mask=g_ok[:, None], other=0.0)
-    q = q.to(tl.float32)  # [GP, D]
     m_i = tl.full((GP,), NEG, tl.float32)
     l_i = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
-    for i in range(BLOCKS_PER_SPLIT):
-        idx = s * BLOCKS_PER_SPLIT + i
-        tok0 = idx * T
-        if (tok0 < seq_len) & (idx < max_blocks):
-            block = tl.load(tables_ptr + b * s_tb + idx)
-            ok = (tok0 + t) < seq_len  # [T]
-            base = block * s_cb + h * s_ch + t[:, None] * s_ct + d[None, :]
-            if QUANT == 0:  # float caches
-                k = tl.load(kc_ptr + base, mask=ok[:, None], other=0.0).to(tl.float32)  # [T, D]
-                v = tl.load(vc_ptr + base, mask=ok[:, None], other=0.0).to(tl.float32)  # [T, D]
-            elif QUANT == 1:  # int8 codes, an fp16 scale per (head, token)
-                sc = block * s_sb + h * s_sh + t * s_st
-                k_s = tl.load(ks_ptr + sc, mask=ok, other=0.0).to(tl.float32)
-                v_s = tl.load(vs_ptr + sc, mask=ok, other=0.0).to(tl.float32)
-                k = tl.load(kc_ptr + base, mask=ok[:, None], other=0).to(tl.float32) * k_s[:, None]
-                v = tl.load(vc_ptr + base, mask=ok[:, None], other=0).to(tl.float32) * v_s[:, None]
-            else:  # fp8 e4m3 codes stored as bytes, an fp32 scale per (block, head)
-                k_s = tl.load(ks_ptr + block * s_sb + h * s_sh)
-                v_s = tl.load(vs_ptr + block * s_sb + h * s_sh)
-                k = tl.load(kc_ptr + base, mask=ok[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                v = tl.load(vc_ptr + base, mask=ok[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                k, v = k * k_s, v * v_s
-            m_i, l_i, acc = online_softmax_step(q, k, v, ok, m_i, l_i, acc, scale)
-    row = (b * tl.num_programs(1) + h) * num_splits + s  # partials [B, Hkv, S, GP, ...]
-    tl.store(acc_ptr + (row * GP + g)[:, None] * D + d[None, :], acc)
-    tl.store(m_ptr + row * GP + g, m_i)
-    tl.store(l_ptr + row * GP + g, l_i)
+    for tok0 in range(start, end, TILE):
+        ok, block, off = tile_slots(tables_ptr, b, s_tb, s_tc, tok0, end, T, TILE)
+        row = block * s_cb + h * s_ch + off * s_ct  # [TILE]
+        ptrs = row[:, None] + d[None, :]
+        k = tl.load(kc_ptr + ptrs, mask=ok[:, None], other=0)
+        v = tl.load(vc_ptr + ptrs, mask=ok[:, None], other=0)
+        if QUANT == 1:  # int8 codes, an fp16 scale per (head, token)
+            sc = block * s_sb + h * s_sh + off * s_st
+            k = k.to(tl.float32) * tl.load(ks_ptr + sc, mask=ok, other=0.0).to(tl.float32)[:, None]
+            v = v.to(tl.float32) * tl.load(vs_ptr + sc, mask=ok, other=0.0).to(tl.float32)[:, None]
+        elif QUANT == 2:  # fp8 e4m3 codes stored as bytes, an fp32 scale per (block, head)
+            sc = block * s_sb + h * s_sh
+            k = k.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.load(ks_ptr + sc, mask=ok, other=0.0)[:, None]
+            v = v.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.load(vs_ptr + sc, mask=ok, other=0.0)[:, None]
+        m_i, l_i, acc = attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, DOT_F32, PREC)
+    store_partials(acc_ptr, m_ptr, l_ptr, b, h, s, acc, m_i, l_i, G, GP, D)
 
 
 @triton.jit
 def decode_reduce_kernel(
-    acc_ptr, m_ptr, l_ptr, out_ptr,
+    acc_ptr, m_ptr, l_ptr, out_ptr, lens_ptr,
     s_ob, s_oh,
-    num_splits,
+    num_splits, tokens_per_split,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
+    """Program (sequence b, KV head h): merge the partial softmaxes of the splits that hold tokens (an empty
+    sequence gives zeros)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
+    g_ok = g < G
+    seq_len = tl.load(lens_ptr + b).to(tl.int32)
+    active = tl.minimum((seq_len + tokens_per_split - 1) // tokens_per_split, num_splits)
     base = (b * tl.num_programs(1) + h) * num_splits
     m = tl.full((GP,), NEG, tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(m_ptr + (base + s) * GP + g))
+    for s in range(0, active):
+        m = tl.maximum(m, tl.load(m_ptr + (base + s) * G + g, mask=g_ok, other=NEG))
     total = tl.zeros((GP,), tl.float32)
     out = tl.zeros((GP, D), tl.float32)
-    for s in range(num_splits):
-        row = base + s
-        w = tl.exp(tl.load(m_ptr + row * GP + g) - m)
-        total += tl.load(l_ptr + row * GP + g) * w
-        out += tl.load(acc_ptr + (row * GP + g)[:, None] * D + d[None, :]) * w[:, None]
+    for s in range(0, active):
+        row = (base + s) * G + g
+        w = tl.exp2(tl.load(m_ptr + row, mask=g_ok, other=NEG) - m)
+        total += tl.load(l_ptr + row, mask=g_ok, other=0.0) * w
+        out += tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0) * w[:, None]
     out = out / tl.maximum(total, 1e-30)[:, None]
     dst = out_ptr + b * s_ob + (h * G + g)[:, None] * s_oh + d[None, :]
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
 KERNELS = (decode_split_kernel, decode_reduce_kernel)
 
 
 # ---------------------------------------------------------------------------------------------- wrapper
+@dataclass(frozen=True)
+class DecodeConfig:
+    """The launch configuration of one decode specialization: the token tile (independent of the block size),
+    the query group padded to ``tl.dot``'s 16 rows, warps and pipeline stages."""
+
+    tile: int
+    gp: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_config(group: int, block_size: int, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """Tile and launch parameters for a query group, block size, head dim and element type: a tile of about
+    16 KiB of K per stage (64 tokens at head dim 128 in 16 bits, 128 at 64), never below 16 tokens (``tl.dot``'s
+    minimum) and never a partial block when a block is wider; 4 warps, 3 stages (2 at fp32, for shared memory)."""
+    elt = 4 if dtype == torch.float32 else 2
+    tile = max(16, min(128, (16384 // elt) // head_dim), min(block_size, 128))
+    tile = min(tile, 128)
+    return DecodeConfig(tile=tile, gp=max(16, triton.next_power_of_2(group)), num_warps=4,
+                        num_stages=2 if elt == 4 else 3)  # fmt: skip
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: the query costs a driver call); 1 elsewhere (the
+    interpreter runs programs one after another, so more splits only cost time)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan_splits(batch: int, kv_heads: int, max_len: int, tile: int, sms: int) -> tuple[int, int]:
+    """``(num_splits, tokens_per_split)``: enough programs to fill the GPU about twice over (``batch · kv_heads
+    · splits ≈ 2 · SMs``), no split shorter than one tile. ``max_len`` is a host-known bound on the lengths
+    (the caller's, or the block tables' width), so planning never reads the device."""
+    tiles = max(1, -(-max_len // tile))
+    want = max(1, -(-2 * sms // max(1, batch * kv_heads)))
+    splits = min(want, tiles)
+    per = -(-tiles // splits) * tile
+    return max(1, -(-max_len // per)), per
+
+
+class DecodeWorkspace:
+    """Preallocated split-K partials for the decode kernels, grown (never shrunk) on demand: after the first
+    call of a given size no call allocates, fills or synchronizes, so the decode step can be captured in a CUDA
+    graph (allocate it at the largest size first, or pass ``capacity`` rows)."""
+
+    def __init__(self, device: torch.device | str, capacity: int = 0, head_dim: int = 128) -> None:
+        self.device = torch.device(device)
+        self.acc = torch.empty((capacity, head_dim), dtype=torch.float32, device=self.device)
+        self.ml = torch.empty((2, capacity), dtype=torch.float32, device=self.device)
+
+    def take(self, rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views ``acc [rows, D]``, ``m [rows]``, ``l [rows]`` of the buffers (grown when too small)."""
+        if self.acc.shape[0] < rows or self.acc.shape[1] != head_dim:
+            grow = max(rows, self.acc.shape[0] if self.acc.shape[1] == head_dim else 0)
+            self.acc = torch.empty((grow, head_dim), dtype=torch.float32, device=self.device)
+            self.ml = torch.empty((2, grow), dtype=torch.float32, device=self.device)
+        return self.acc[:rows], self.ml[0, :rows], self.ml[1, :rows]
+
+
+_WORKSPACES: dict[torch.device, DecodeWorkspace] = {}
+
+
+def default_workspace(device: torch.device) -> DecodeWorkspace:
+    """The module's workspace for ``device`` (one per device, shared by every decode call on it)."""
+    if device not in _WORKSPACES:
+        _WORKSPACES[device] = DecodeWorkspace(device)
+    return _WORKSPACES[device]
+
+
 @dataclass
 class DecodePlan:
-    """The split-K plan shared by the decode wrappers: the grid ``(B, Hkv, S)``, the partial softmaxes
-    ``acc [B, Hkv, S, GP, D]``, ``m, l [B, Hkv, S, GP]`` and the output (poisoned with NaN: a row the kernels
-    fail to write shows)."""
+    """The split-K plan shared by the decode wrappers: the grid ``(B, Hkv, S)``, the tokens each split reads,
+    the launch configuration and the partial softmaxes (views of a :class:`DecodeWorkspace`)."""
 
     grid: tuple[int, int, int]
+    tokens_per_split: int
+    config: DecodeConfig
+    group: int
     acc: torch.Tensor
     m: torch.Tensor
     l_sum: torch.Tensor
-    out: torch.Tensor
-    group: int
-    gp: int
-    blocks_per_split: int
 
     @property
     def num_splits(self) -> int:
@@ -214,40 +336,51 @@ class DecodePlan:
 
 
 def plan_decode(
-    query: torch.Tensor, kv_heads: int, block_size: int, max_blocks: int, blocks_per_split: int | None
+    query: torch.Tensor,
+    kv_heads: int,
+    block_size: int,
+    max_len: int,
+    *,
+    cache_dtype: torch.dtype | None = None,
+    tokens_per_split: int | None = None,
+    workspace: DecodeWorkspace | None = None,
 ) -> DecodePlan:
-    """Split each sequence's ``max_blocks`` into chunks of ``blocks_per_split`` (default: about 512 tokens, a
-    constant, so no recompiles) and allocate the partials."""
+    """Plan a decode launch for ``query [B, Hq, D]`` over sequences of at most ``max_len`` tokens: the tile
+    (:func:`decode_config`), the splits (:func:`plan_splits`, or ``tokens_per_split`` when given) and the
+    partials, taken from ``workspace`` (default: the device's)."""
     b, hq, d = query.shape
-    if blocks_per_split is None:
-        blocks_per_split = max(1, 512 // block_size)
-    if blocks_per_split < 1:
-        raise ConfigError(f"blocks_per_split must be at least 1, got {blocks_per_split}")
-    num_splits = max(1, math.ceil(max_blocks / blocks_per_split))
     group = hq // kv_heads
-    gp = triton.next_power_of_2(group)
-    dev = query.device
-    return DecodePlan(
-        grid=(b, kv_heads, num_splits),
-        acc=torch.empty((b, kv_heads, num_splits, gp, d), dtype=torch.float32, device=dev),
-        m=torch.empty((b, kv_heads, num_splits, gp), dtype=torch.float32, device=dev),
-        l_sum=torch.empty((b, kv_heads, num_splits, gp), dtype=torch.float32, device=dev),
-        out=torch.full_like(query, float("nan")),
-        group=group,
-        gp=gp,
-        blocks_per_split=blocks_per_split,
-    )
+    config = decode_config(group, block_size, d, cache_dtype if cache_dtype is not None else query.dtype)
+    if tokens_per_split is None:
+        splits, tokens_per_split = plan_splits(b, kv_heads, max_len, config.tile, sm_count(query.device))
+    elif tokens_per_split < 1:
+        raise ConfigError(f"tokens_per_split must be at least 1, got {tokens_per_split}")
+    else:
+        splits = max(1, -(-max_len // tokens_per_split))
+    ws = workspace if workspace is not None else default_workspace(query.device)
+    if ws.device != query.device:
+        raise DeviceError(f"the workspace is on {ws.device}, the query on {query.device}")
+    acc, m, l_sum = ws.take(b * kv_heads * splits * group, d)
+    return DecodePlan((b, kv_heads, splits), tokens_per_split, config, group, acc, m, l_sum)
 
 
-def reduce_decode(plan: DecodePlan) -> torch.Tensor:
-    """Merge the split kernel's partial softmaxes into ``plan.out [B, Hq, D]`` and return it."""
+def reduce_decode(plan: DecodePlan, seq_lens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Merge the split kernel's partial softmaxes into ``out [B, Hq, D]`` and return it."""
     b, h, _ = plan.grid
-    out = plan.out
-    decode_reduce_kernel[(b, h)](
-        plan.acc, plan.m, plan.l_sum, out, out.stride(0), out.stride(1), plan.num_splits,
-        G=plan.group, GP=plan.gp, D=out.shape[2],
-    )  # fmt: skip
+    if b:
+        decode_reduce_kernel[(b, h)](
+            plan.acc, plan.m, plan.l_sum, out, seq_lens, out.stride(0), out.stride(1),
+            plan.num_splits, plan.tokens_per_split,
+            G=plan.group, GP=plan.config.gp, D=out.shape[2], num_warps=4,
+        )  # fmt: skip
     return out
+
+
+def dot_flags(query: torch.Tensor) -> tuple[bool, str]:
+    """``(DOT_F32, PREC)`` for the kernels: upcast ``tl.dot``'s operands in the interpreter (CPU tensors), and
+    exact fp32 products (``"ieee"``, not TF32) for fp32 queries."""
+    interpreted = query.device.type != "cuda"
+    return interpreted, "ieee" if interpreted or query.dtype == torch.float32 else "tf32"
 
 
 def _check_scales(quant: str, key_scale: torch.Tensor | None, value_scale: torch.Tensor | None) -> tuple[int, int, int]:
@@ -264,6 +397,31 @@ def _check_scales(quant: str, key_scale: torch.Tensor | None, value_scale: torch
     return key_scale.stride(0), key_scale.stride(1), 0
 
 
+def validate_decode_inputs(
+    query: torch.Tensor, kv_heads: int, head_dim: int, block_tables: torch.Tensor, seq_lens: torch.Tensor
+) -> None:
+    """The checks every decode wrapper shares: ``query [B, k·Hkv, D]`` floating point and contiguous along D,
+    integer ``block_tables [B, *]`` and ``seq_lens [B]`` on the query's device."""
+    if query.ndim != 3 or query.shape[2] != head_dim:
+        raise ShapeError(f"query must be [batch, q_heads, head_dim={head_dim}], got {tuple(query.shape)}")
+    b, hq, _ = query.shape
+    if hq % kv_heads:
+        raise ShapeError(f"query heads ({hq}) must be a multiple of KV heads ({kv_heads})")
+    if block_tables.ndim != 2 or block_tables.shape[0] != b or seq_lens.shape != (b,):
+        raise ShapeError(
+            f"block_tables [{b}, max_blocks] and seq_lens [{b}] expected, got {tuple(block_tables.shape)} and "
+            f"{tuple(seq_lens.shape)}"
+        )
+    if block_tables.dtype not in (torch.int32, torch.int64) or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise DTypeError(f"block_tables and seq_lens must be int32/int64, got {block_tables.dtype}/{seq_lens.dtype}")
+    if not query.dtype.is_floating_point:
+        raise DTypeError(f"query must be floating point, got {query.dtype}")
+    if len({query.device, block_tables.device, seq_lens.device}) != 1:
+        raise DeviceError("query, caches, block tables and lengths must be on one device")
+    if query.stride(-1) != 1:
+        raise ShapeError("query must be contiguous along head_dim")
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -273,16 +431,23 @@ def paged_decode_attention(
     *,
     scale: float | None = None,
     blocks_per_split: int | None = None,
+    tokens_per_split: int | None = None,
+    max_seq_len: int | None = None,
     quant: str = "none",
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    workspace: DecodeWorkspace | None = None,
 ) -> torch.Tensor:
     """Decode attention: ``query [B, Hq, D]`` (one token per sequence) over each sequence's ``seq_lens[b]`` cached
     tokens, found through ``block_tables [B, max_blocks]`` in ``key_cache, value_cache [N, H, T, D]``.
 
-    The context is split into chunks of ``blocks_per_split`` blocks, one program per (sequence, KV head,
-    chunk); a second kernel merges the chunks' partial softmaxes. Returns ``[B, Hq, D]``; a sequence of length
-    0 gets zeros.
+    One program per (sequence, KV head, split) attends with the whole query group (``tl.dot``, the group padded
+    to 16 rows) over tiles of tokens gathered through the table; a second kernel merges the splits. The splits
+    follow ``max_seq_len`` (default: the table's width × T, known on the host) and the SM count, or
+    ``tokens_per_split`` / ``blocks_per_split`` when given. Returns ``out`` (allocated when not given) ``[B, Hq,
+    D]``; a sequence of length 0 gets zeros. No host synchronization, no fill: pass ``out`` and a
+    ``workspace`` sized beforehand to capture it in a CUDA graph.
 
     Dequantizing variants read a quantized pool's payload: ``quant="int8"`` — int8 codes with fp16 scales
     ``[N, H, T]`` per (head, token); ``quant="fp8"`` — e4m3 codes stored as uint8 with fp32 scales ``[N, H]``
@@ -297,45 +462,40 @@ def paged_decode_attention(
     s_sb, s_sh, s_st = _check_scales(quant, key_scale, value_scale)
     if quant == "none":
         key_scale = value_scale = key_cache  # unused by the kernel
-    if query.ndim != 3 or query.shape[2] != d:
-        raise ShapeError(f"query must be [batch, q_heads, head_dim={d}], got {tuple(query.shape)}")
-    b, hq, _ = query.shape
-    if hq % h:
-        raise ShapeError(f"query heads ({hq}) must be a multiple of KV heads ({h})")
-    if block_tables.ndim != 2 or block_tables.shape[0] != b or seq_lens.shape != (b,):
-        raise ShapeError(
-            f"block_tables [{b}, max_blocks] and seq_lens [{b}] expected, got {tuple(block_tables.shape)} and "
-            f"{tuple(seq_lens.shape)}"
-        )
     if quant == "none" and query.dtype != key_cache.dtype:
         raise DTypeError(f"query dtype {query.dtype} does not match the caches' {key_cache.dtype}")
-    if not query.dtype.is_floating_point:
-        raise DTypeError(f"query must be floating point, got {query.dtype}")
-    if len({query.device, key_cache.device, block_tables.device, seq_lens.device}) != 1:
+    validate_decode_inputs(query, h, d, block_tables, seq_lens)
+    if query.device != key_cache.device:
         raise DeviceError("query, caches, block tables and lengths must be on one device")
-    if query.stride(-1) != 1:
-        raise ShapeError("query must be contiguous along head_dim")
-    max_blocks = block_tables.shape[1]
-    tables = block_tables.to(torch.int64).contiguous()
-    lens = seq_lens.to(torch.int64).contiguous()
-    scale = scale if scale is not None else 1.0 / math.sqrt(d)
-
-    plan = plan_decode(query, h, t, max_blocks, blocks_per_split)
-    if b == 0:
-        return plan.out
+    if blocks_per_split is not None:
+        if blocks_per_split < 1:
+            raise ConfigError(f"blocks_per_split must be at least 1, got {blocks_per_split}")
+        tokens_per_split = blocks_per_split * t
+    max_len = max_seq_len if max_seq_len is not None else block_tables.shape[1] * t
+    plan = plan_decode(query, h, t, max_len, tokens_per_split=tokens_per_split, workspace=workspace,
+                       cache_dtype=key_cache.dtype if quant == "none" else query.dtype)  # fmt: skip
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.device != query.device or out.stride(-1) != 1:
+        raise ShapeError(f"out must be like the query {tuple(query.shape)} on {query.device}, got {tuple(out.shape)}")
+    if query.shape[0] == 0:
+        return out
+    dot_f32, prec = dot_flags(query)
+    cfg = plan.config
     decode_split_kernel[plan.grid](
-        query, key_cache, value_cache, tables, lens,
+        query, key_cache, value_cache, block_tables, seq_lens,
         plan.acc, plan.m, plan.l_sum,
         key_scale, value_scale,
-        scale,
+        (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         s_sb, s_sh, s_st,
-        tables.stride(0), max_blocks,
-        plan.num_splits,
-        G=plan.group, GP=plan.gp, T=t, D=d, BLOCKS_PER_SPLIT=plan.blocks_per_split, QUANT=QUANT_MODES[quant],
+        block_tables.stride(0), block_tables.stride(1),
+        plan.tokens_per_split,
+        G=plan.group, GP=cfg.gp, T=t, D=d, TILE=cfg.tile, QUANT=QUANT_MODES[quant], DOT_F32=dot_f32, PREC=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return reduce_decode(plan)
+    return reduce_decode(plan, seq_lens, out)
 
 
 # ---------------------------------------------------------------------------------------------- check
@@ -368,7 +528,7 @@ def random_paged_case(
 
 def check_paged_decode(device: str | None = None, *, seed: int = 0, quant: str = "none") -> CheckResult:
     """:func:`paged_decode_attention` against :func:`paged_decode_reference` on three sequences (odd lengths,
-    a block boundary, an empty one), GQA 4, several splits; ``quant="int8"`` quantizes the pool first."""
+    a block boundary, an empty one), GQA 4, 16-token splits; ``quant="int8"`` quantizes the pool first."""
     device = device or default_device()
     q, pool, tables, lens = random_paged_case(seed, [37, 16, 0], device=device)
     extras: dict[str, torch.Tensor | str] = {}
@@ -378,7 +538,7 @@ def check_paged_decode(device: str | None = None, *, seed: int = 0, quant: str =
         extras = {"quant": "int8", "key_scale": scales[:, 0], "value_scale": scales[:, 1]}
     elif quant != "none":
         raise ConfigError(f"check_paged_decode runs quant 'none' or 'int8' (fp8 needs sm_89+), got {quant!r}")
-    got = paged_decode_attention(q, pool[:, 0], pool[:, 1], tables, lens, blocks_per_split=1, **extras)  # type: ignore[arg-type]
+    got = paged_decode_attention(q, pool[:, 0], pool[:, 1], tables, lens, tokens_per_split=16, **extras)  # type: ignore[arg-type]
     want = paged_decode_reference(q, pool[:, 0], pool[:, 1], tables, lens, **extras)  # type: ignore[arg-type]
     return CheckResult(f"paged_decode[{quant}]", float((got - want).abs().max()), 1e-5)
 
