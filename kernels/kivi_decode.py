@@ -251,16 +251,11 @@ def paged_decode_attention_kivi_packed(
         stg = stg.new_empty((1, 2, h, t, d))
     kc, ks, kz, vc, vs, vz = (blocks.k_codes, blocks.k_scale, blocks.k_zero, blocks.v_codes, blocks.v_scale,
                               blocks.v_zero)  # fmt: skip
-    if blocks_per_split is not None:
-        if blocks_per_split < 1:
-            raise ConfigError(f"blocks_per_split must be at least 1, got {blocks_per_split}")
-        tokens_per_split = blocks_per_split * t
     max_len = max_seq_len if max_seq_len is not None else block_tables.shape[1] * t
-    plan = plan_decode(query, h, t, max_len, tokens_per_split=tokens_per_split, workspace=workspace)
-    if out is None:
-        out = torch.empty_like(query)
+    plan = plan_decode(query, h, t, max_len, tokens_per_split=tokens_per_split, blocks_per_split=blocks_per_split,
+                       workspace=workspace, out=out)  # fmt: skip
     if b == 0:
-        return out
+        return plan.out
     dot_f32, prec = dot_flags(query)
     cfg = plan.config
     decode_kivi_split_kernel[plan.grid](
@@ -277,7 +272,7 @@ def paged_decode_attention_kivi_packed(
         BITS=blocks.bits, GK=blocks.group_size, GV=gv, DOT_F32=dot_f32, PREC=prec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return reduce_decode(plan, seq_lens, out)
+    return reduce_decode(plan, seq_lens)
 
 
 def paged_decode_attention_kivi(

@@ -329,6 +329,7 @@ class DecodePlan:
     acc: torch.Tensor
     m: torch.Tensor
     l_sum: torch.Tensor
+    out: torch.Tensor
 
     @property
     def num_splits(self) -> int:
@@ -341,16 +342,26 @@ def plan_decode(
     block_size: int,
     max_len: int,
     *,
-    cache_dtype: torch.dtype | None = None,
     tokens_per_split: int | None = None,
+    blocks_per_split: int | None = None,
     workspace: DecodeWorkspace | None = None,
+    out: torch.Tensor | None = None,
 ) -> DecodePlan:
     """Plan a decode launch for ``query [B, Hq, D]`` over sequences of at most ``max_len`` tokens: the tile
-    (:func:`decode_config`), the splits (:func:`plan_splits`, or ``tokens_per_split`` when given) and the
-    partials, taken from ``workspace`` (default: the device's)."""
+    (:func:`decode_config`), the splits (:func:`plan_splits`, or ``tokens_per_split`` — or ``blocks_per_split``
+    blocks — when given), the partials, taken from ``workspace`` (default: the device's), and the output
+    (``out``, checked, or a new uninitialized tensor)."""
     b, hq, d = query.shape
+    if blocks_per_split is not None:
+        if blocks_per_split < 1:
+            raise ConfigError(f"blocks_per_split must be at least 1, got {blocks_per_split}")
+        tokens_per_split = blocks_per_split * block_size
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.device != query.device or out.stride(-1) != 1:
+        raise ShapeError(f"out must be like the query {tuple(query.shape)} on {query.device}, got {tuple(out.shape)}")
     group = hq // kv_heads
-    config = decode_config(group, block_size, d, cache_dtype if cache_dtype is not None else query.dtype)
+    config = decode_config(group, block_size, d, query.dtype)
     if tokens_per_split is None:
         splits, tokens_per_split = plan_splits(b, kv_heads, max_len, config.tile, sm_count(query.device))
     elif tokens_per_split < 1:
@@ -361,12 +372,13 @@ def plan_decode(
     if ws.device != query.device:
         raise DeviceError(f"the workspace is on {ws.device}, the query on {query.device}")
     acc, m, l_sum = ws.take(b * kv_heads * splits * group, d)
-    return DecodePlan((b, kv_heads, splits), tokens_per_split, config, group, acc, m, l_sum)
+    return DecodePlan((b, kv_heads, splits), tokens_per_split, config, group, acc, m, l_sum, out)
 
 
-def reduce_decode(plan: DecodePlan, seq_lens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Merge the split kernel's partial softmaxes into ``out [B, Hq, D]`` and return it."""
+def reduce_decode(plan: DecodePlan, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Merge the split kernel's partial softmaxes into ``plan.out [B, Hq, D]`` and return it."""
     b, h, _ = plan.grid
+    out = plan.out
     if b:
         decode_reduce_kernel[(b, h)](
             plan.acc, plan.m, plan.l_sum, out, seq_lens, out.stride(0), out.stride(1),
@@ -467,19 +479,11 @@ def paged_decode_attention(
     validate_decode_inputs(query, h, d, block_tables, seq_lens)
     if query.device != key_cache.device:
         raise DeviceError("query, caches, block tables and lengths must be on one device")
-    if blocks_per_split is not None:
-        if blocks_per_split < 1:
-            raise ConfigError(f"blocks_per_split must be at least 1, got {blocks_per_split}")
-        tokens_per_split = blocks_per_split * t
     max_len = max_seq_len if max_seq_len is not None else block_tables.shape[1] * t
-    plan = plan_decode(query, h, t, max_len, tokens_per_split=tokens_per_split, workspace=workspace,
-                       cache_dtype=key_cache.dtype if quant == "none" else query.dtype)  # fmt: skip
-    if out is None:
-        out = torch.empty_like(query)
-    elif out.shape != query.shape or out.device != query.device or out.stride(-1) != 1:
-        raise ShapeError(f"out must be like the query {tuple(query.shape)} on {query.device}, got {tuple(out.shape)}")
+    plan = plan_decode(query, h, t, max_len, tokens_per_split=tokens_per_split, blocks_per_split=blocks_per_split,
+                       workspace=workspace, out=out)  # fmt: skip
     if query.shape[0] == 0:
-        return out
+        return plan.out
     dot_f32, prec = dot_flags(query)
     cfg = plan.config
     decode_split_kernel[plan.grid](
@@ -495,7 +499,7 @@ def paged_decode_attention(
         G=plan.group, GP=cfg.gp, T=t, D=d, TILE=cfg.tile, QUANT=QUANT_MODES[quant], DOT_F32=dot_f32, PREC=prec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return reduce_decode(plan, seq_lens, out)
+    return reduce_decode(plan, seq_lens)
 
 
 # ---------------------------------------------------------------------------------------------- check

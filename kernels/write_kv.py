@@ -36,6 +36,7 @@ __all__ = [
     "write_kv_int8_reference",
     "write_kv_kernel",
     "write_kv_reference",
+    "write_quantized",
 ]
 
 FP8_MAX = 448.0  # the largest finite e4m3 value
@@ -163,11 +164,11 @@ def write_kv_fp8_kernel(
     key_ptr, value_ptr, slots_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
     s_kn, s_kh, s_vn, s_vh,
     s_cb, s_ch, s_ct,
-    s_sb, s_sh,
+    s_sb, s_sh, s_st,
     T: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
     i, h, slot, block, off, d = token_slot(slots_ptr, T, D)
-    if slot >= 0:
+    if slot >= 0:  # s_st is unused: one scale per (block, head), the argument list is the int8 kernel's
         dst = block * s_cb + h * s_ch + off * s_ct + d
         k_s = tl.load(ks_ptr + block * s_sb + h * s_sh)
         v_s = tl.load(vs_ptr + block * s_sb + h * s_sh)
@@ -224,6 +225,39 @@ def write_kv(
     )  # fmt: skip
 
 
+def write_quantized(
+    kernel: triton.JITFunction,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+    codes: tuple[torch.Tensor, torch.Tensor],
+    scales: tuple[torch.Tensor, torch.Tensor],
+    quant: str,
+) -> None:
+    """Launch a quantizing write kernel (``write_kv_int8_kernel`` or ``write_kv_fp8_kernel``): checks the codes
+    like a cache and the scales against the scheme's layout (int8: fp16 ``[N, H, T]``; fp8: fp32 ``[N, H]``),
+    then one program per (token, KV head)."""
+    h, t, d, slots = _check_write(key, value, slots, codes[0], codes[1], quant)
+    dtype, ndim = (torch.float16, 3) if quant == "int8" else (torch.float32, 2)
+    if quant == "fp8":
+        check_fp8(key.device)
+    ks, vs = scales
+    if ks.dtype != dtype or ks.ndim != ndim or ks.shape != vs.shape or ks.stride() != vs.stride():
+        raise DTypeError(f"{quant} scales must be {dtype} views of one payload with {ndim} dimensions")
+    if ks.device != key.device or vs.device != key.device:
+        raise DeviceError(f"the scales are on {ks.device}, the keys on {key.device}: use one device")
+    if key.shape[0] == 0:
+        return
+    scale_strides = ks.stride() if quant == "int8" else (*ks.stride(), 0)
+    kernel[(key.shape[0], h)](
+        key, value, slots, codes[0], codes[1], ks, vs,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        codes[0].stride(0), codes[0].stride(1), codes[0].stride(2),
+        *scale_strides,
+        T=t, D=d,
+    )  # fmt: skip
+
+
 def write_kv_int8(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -236,18 +270,8 @@ def write_kv_int8(
     """Reshape-and-cache with int8 quantization on write (per token and head, fp16 scale): the streaming int8
     path of the quantized pool. ``*_codes [N, H, T, D]`` int8, ``*_scale [N, H, T]`` fp16. Ties round half up
     (torch rounds half to even: codes can differ by one at exact halves from ``torch.round``)."""
-    h, t, d, slots = _check_write(key, value, slots, key_codes, value_codes, "int8")
-    if key_scale.dtype != torch.float16 or key_scale.ndim != 3 or key_scale.stride() != value_scale.stride():
-        raise DTypeError("scales must be fp16 [N, H, T] views of one payload")
-    if key.shape[0] == 0:
-        return
-    write_kv_int8_kernel[(key.shape[0], h)](
-        key, value, slots, key_codes, value_codes, key_scale, value_scale,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_codes.stride(0), key_codes.stride(1), key_codes.stride(2),
-        key_scale.stride(0), key_scale.stride(1), key_scale.stride(2),
-        T=t, D=d,
-    )  # fmt: skip
+    write_quantized(write_kv_int8_kernel, key, value, slots, (key_codes, value_codes), (key_scale, value_scale),
+                    "int8")  # fmt: skip
 
 
 def write_kv_fp8(
@@ -262,19 +286,8 @@ def write_kv_fp8(
     """Reshape-and-cache into fp8 e4m3 blocks (codes as uint8 ``[N, H, T, D]``) with the per-(block, head)
     scales ``[N, H]`` fp32 already in place. The caller grows a scale, and re-encodes its block, before a token
     that needs more range is written (the quantized pool does): the kernel only encodes, saturating at ±448."""
-    h, t, d, slots = _check_write(key, value, slots, key_codes, value_codes, "fp8")
-    check_fp8(key.device)
-    if key_scale.dtype != torch.float32 or key_scale.ndim != 2 or key_scale.stride() != value_scale.stride():
-        raise DTypeError("scales must be fp32 [N, H] views of one payload")
-    if key.shape[0] == 0:
-        return
-    write_kv_fp8_kernel[(key.shape[0], h)](
-        key, value, slots, key_codes, value_codes, key_scale, value_scale,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_codes.stride(0), key_codes.stride(1), key_codes.stride(2),
-        key_scale.stride(0), key_scale.stride(1),
-        T=t, D=d,
-    )  # fmt: skip
+    write_quantized(write_kv_fp8_kernel, key, value, slots, (key_codes, value_codes), (key_scale, value_scale),
+                    "fp8")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- checks
