@@ -68,3 +68,64 @@ def test_bad_writes_are_rejected():
         pool.write(0, slots, torch.zeros(2, 2, 4, dtype=torch.float16), torch.zeros(2, 2, 4, dtype=torch.float16))
     with pytest.raises(ShapeError):
         pool.write(0, torch.tensor([0]), torch.zeros(2, 2, 4), torch.zeros(2, 2, 4))
+
+
+# ---------------------------------------------------------------------------------------------- KVPool Protocol
+def _pools():
+    from memos_ref.bench.common import NullPool
+    from memos_ref.quant import KIVI, PerTokenInt8, QuantizedBlockPool
+
+    spec16 = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, block_size=32)
+    return {
+        "plain": BlockPool(SPEC, 4),
+        "streaming": QuantizedBlockPool(SPEC, 4, PerTokenInt8()),
+        "windowed": QuantizedBlockPool(spec16, 4, KIVI(bits=4, group_size=32)),
+        "null": NullPool(),
+    }
+
+
+def test_every_pool_is_a_kvpool_with_plain_flags():
+    from memos_ref.paged import KVPool, WindowedKVPool
+
+    flags = {"plain": (False, False), "streaming": (True, False), "windowed": (True, True), "null": (False, False)}
+    for name, pool in _pools().items():
+        assert isinstance(pool, KVPool), name
+        assert (pool.quantized, pool.tracks_windows) == flags[name], name
+        assert "quantized" in vars(type(pool)) and isinstance(pool.quantized, bool), name  # a plain attribute
+        assert not isinstance(getattr(type(pool), "tracks_windows", None), property), name
+        assert isinstance(pool, WindowedKVPool) or not pool.tracks_windows, name
+
+
+def test_paged_kv_takes_a_pool_and_hears_its_events():
+    from memos_ref.paged import PagedKV
+    from memos_ref.quant import KIVI, QuantizedBlockPool
+
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, block_size=32)
+    pool = QuantizedBlockPool(spec, 6, KIVI(bits=4, group_size=32), residual_tokens=32, staging_blocks=4)
+    kv = PagedKV(spec, pool=pool)
+    assert kv.pool is pool and kv.allocator.num_blocks == 6
+    seq = kv.new_sequence()
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(2):
+        seq.append(layer, *torch.randn(2, 2, 40, 32, generator=gen).unbind(0))
+    assert pool.staging_available < 4
+    seq.free()  # FREED events reach the pool, which gives the staging slots back
+    assert pool.staging_available == 4
+    kv.check()
+    # the shorthand builds the same pool through the scheme (paged never imports quant)
+    built = PagedKV(spec, 6, quant=KIVI(bits=4, group_size=32), residual_tokens=32, staging_blocks=4).pool
+    assert isinstance(built, QuantizedBlockPool) and built.staging_capacity == 4
+
+
+def test_paged_kv_refuses_a_pool_with_sizing_or_another_spec():
+    from memos_ref.errors import ArgumentTypeError
+    from memos_ref.paged import PagedKV
+
+    with pytest.raises(ConfigError, match="num_blocks"):
+        PagedKV(SPEC, 4, pool=BlockPool(SPEC, 4))
+    with pytest.raises(ConfigError, match="built for"):
+        PagedKV(SPEC, pool=BlockPool(KVSpec(num_layers=1, num_kv_heads=2, head_dim=4, block_size=8), 4))
+    with pytest.raises(ArgumentTypeError):
+        PagedKV(SPEC, pool=object())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="quant"):
+        PagedKV(SPEC, 4, residual_tokens=16)

@@ -16,7 +16,65 @@ from typing import Any
 
 import torch
 
-__all__ = ["envelope", "format_table", "machine_info", "ratio_stats", "time_calls_ms", "time_interleaved_ms"]
+from memos_ref.errors import StateError
+from memos_ref.paged.allocator import BlockEvent
+from memos_ref.spec import KVSpec
+
+__all__ = [
+    "NullPool",
+    "envelope",
+    "format_table",
+    "machine_info",
+    "ratio_stats",
+    "time_calls_ms",
+    "time_interleaved_ms",
+]
+
+
+class NullPool:
+    """A :class:`~memos_ref.paged.kvpool.KVPool` that stores nothing: it stands in for a pool when a benchmark
+    simulates only block metadata (copy-on-write copies nothing; writes and reads are refused).
+
+    Args:
+        layers: layers of its (1 KV head, head dim 1) spec.
+        block_size: tokens per block.
+        num_blocks: the block ids it pretends to hold (the allocator's size).
+    """
+
+    quantized: bool = False
+    tracks_windows: bool = False
+    block_events: frozenset[str] = frozenset()
+
+    def __init__(self, layers: int = 1, *, block_size: int = 16, num_blocks: int = 0) -> None:
+        self.spec = KVSpec(num_layers=layers, num_kv_heads=1, head_dim=1, block_size=block_size)
+        self.device = torch.device("cpu")
+        self.num_blocks = num_blocks
+        self.nbytes = 0
+        self.segments: list[torch.Tensor] = []
+
+    def _refuse(self, what: str) -> StateError:
+        return StateError(f"a NullPool stores no K/V ({what}): use a BlockPool for runs that move data")
+
+    def check_kv(self, key: torch.Tensor, value: torch.Tensor, layer: int | None = None) -> None:
+        raise self._refuse("check_kv")
+
+    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        raise self._refuse("write")
+
+    def gather(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise self._refuse("gather")
+
+    def block(self, block: int) -> torch.Tensor:
+        raise self._refuse("block")
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write of metadata only: nothing to copy."""
+
+    def poison(self, block: int) -> None:
+        """Nothing to poison."""
+
+    def on_block_event(self, event: BlockEvent) -> None:
+        """Hears no events (:attr:`block_events` is empty)."""
 
 
 def _cpu_model() -> str:

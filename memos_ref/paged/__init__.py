@@ -1,7 +1,9 @@
-"""Paged KV blocks: the pool, the O(1) allocator, block tables, the prefix cache and the invariant checker."""
+"""Paged KV blocks: the pool (and the KVPool Protocol every pool implements), the O(1) allocator, block tables,
+the prefix cache and the invariant checker."""
 
 from memos_ref.paged.allocator import BlockAllocator, BlockState
 from memos_ref.paged.check import check_invariants
+from memos_ref.paged.kvpool import KVPool, PoolBuilder, WindowedKVPool
 from memos_ref.paged.pool import BlockPool
 from memos_ref.paged.prefix import PrefixCache, block_hashes
 from memos_ref.paged.sequence import UNKNOWN_TOKEN, SequenceCache
@@ -12,9 +14,12 @@ __all__ = [
     "BlockAllocator",
     "BlockPool",
     "BlockState",
+    "KVPool",
     "PagedKV",
+    "PoolBuilder",
     "PrefixCache",
     "SequenceCache",
+    "WindowedKVPool",
     "block_hashes",
     "check_invariants",
 ]

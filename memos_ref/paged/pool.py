@@ -12,6 +12,7 @@ Every operation takes global block ids and works across segments.
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from memos_ref.errors import (
     check_type,
 )
 from memos_ref.spec import KVSpec
+
+if TYPE_CHECKING:
+    from memos_ref.paged.allocator import BlockEvent
 
 __all__ = [
     "POISON",
@@ -175,6 +179,12 @@ class BlockPool:
 
     #: :meth:`write` stores up to this many tokens with slice copies (more: one indexed scatter).
     DIRECT_WRITE_TOKENS = 64
+
+    #: :class:`~memos_ref.paged.kvpool.KVPool` flags: full-precision blocks with a float view, no residual windows,
+    #: and no allocator events to hear.
+    quantized: bool = False
+    tracks_windows: bool = False
+    block_events: frozenset[str] = frozenset()
 
     def __init__(
         self,
@@ -343,3 +353,6 @@ class BlockPool:
             self.block(block).fill_(POISON)
         else:
             self.block(block).fill_(-1)
+
+    def on_block_event(self, event: BlockEvent) -> None:
+        """A plain pool hears no allocator events (:attr:`block_events` is empty)."""

@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
-from memos_ref.errors import ConfigError, check_type
-from memos_ref.paged.allocator import CACHED, EVICTED, FREED, BlockAllocator, BlockEvent
+from memos_ref.errors import ArgumentTypeError, ConfigError, check_type
+from memos_ref.paged.allocator import FREED, BlockAllocator, BlockEvent
 from memos_ref.paged.check import check_invariants
+from memos_ref.paged.kvpool import KVPool, PoolBuilder
 from memos_ref.paged.pool import BlockPool
 from memos_ref.paged.prefix import PrefixCache, check_token_ids
 from memos_ref.paged.sequence import SequenceCache
@@ -21,7 +22,6 @@ from memos_ref.spec import KVSpec
 
 __all__ = ["PagedKV"]
 
-_QUANT_EVENTS = frozenset({FREED, EVICTED, CACHED})  # staging release, sealing (and debug poisoning)
 _DEBUG_EVENTS = frozenset({FREED})  # poisoning
 
 
@@ -30,13 +30,17 @@ class PagedKV:
 
     Args:
         spec: KV geometry (its ``block_size`` is the block size).
-        num_blocks / byte_budget / segments / device: passed to :class:`BlockPool`.
+        num_blocks / byte_budget / segments / device: passed to :class:`BlockPool` (when no ``pool`` is given).
         fingerprint: model fingerprint mixed into prefix hashes (KV of one model never serves another).
         prefix_caching: keep full blocks content-addressed for reuse.
         debug: poison freed blocks with NaN so a use-after-free shows in the output.
-        quant: store blocks quantized with this :mod:`memos_ref.quant` scheme (a
-            :class:`~memos_ref.quant.pool.QuantizedBlockPool`; same block ids, sharing and copy-on-write).
-        residual_tokens / staging_blocks / layer_scales: passed to the quantized pool.
+        pool: the K/V storage, any :class:`~memos_ref.paged.kvpool.KVPool` built for ``spec`` — e.g. a
+            :class:`~memos_ref.quant.pool.QuantizedBlockPool` (``PagedKV(spec, pool=QuantizedBlockPool(spec, n,
+            scheme))``); default a :class:`BlockPool`.
+        quant: a scheme that builds its own pool (a :class:`~memos_ref.paged.kvpool.PoolBuilder`, e.g. any
+            :mod:`memos_ref.quant` quantizer): blocks are stored quantized (same block ids, sharing and
+            copy-on-write). Shorthand for ``pool=quant.build_pool(spec, num_blocks, ...)``.
+        residual_tokens / staging_blocks / layer_scales: passed to ``quant.build_pool``.
     """
 
     def __init__(
@@ -50,31 +54,19 @@ class PagedKV:
         fingerprint: str = "",
         prefix_caching: bool = True,
         debug: bool = False,
-        quant: Any = None,
+        pool: KVPool | None = None,
+        quant: PoolBuilder | None = None,
         residual_tokens: int | None = None,
         staging_blocks: int | None = None,
         layer_scales: torch.Tensor | None = None,
     ) -> None:
         self.spec = spec
-        if quant is None:
-            self.pool = BlockPool(spec, num_blocks, byte_budget=byte_budget, segments=segments, device=device)
-        else:
-            from memos_ref.quant.pool import QuantizedBlockPool
-
-            if byte_budget is not None or segments != 1:
-                raise ConfigError("a quantized pool is sized by num_blocks and has one segment")
-            self.pool = QuantizedBlockPool(
-                spec,
-                num_blocks,
-                quant,
-                residual_tokens=residual_tokens,
-                staging_blocks=staging_blocks,
-                layer_scales=layer_scales,
-                device=device,
-            )
+        self.pool: KVPool = self._build_pool(
+            spec, num_blocks, byte_budget, segments, device, pool, quant, residual_tokens, staging_blocks, layer_scales
+        )
         self.allocator = BlockAllocator(self.pool.num_blocks)
-        self._debug, self._quantized = debug, quant is not None
-        kinds = _QUANT_EVENTS if quant is not None else _DEBUG_EVENTS if debug else frozenset()
+        self._debug = debug
+        kinds = self.pool.block_events | (_DEBUG_EVENTS if debug else frozenset())
         self._pool_events = self.allocator.subscribe(kinds, handler=self._on_block_event) if kinds else None
         self.prefix_cache = (
             PrefixCache(self.allocator, spec.block_size, fingerprint=fingerprint) if prefix_caching else None
@@ -82,21 +74,65 @@ class PagedKV:
         self.sequences: dict[int, SequenceCache] = {}
         self.tier_manager: Any = None  # a memos_ref.tiering.TierManager attaches itself here
 
+    @staticmethod
+    def _build_pool(
+        spec: KVSpec,
+        num_blocks: int | None,
+        byte_budget: int | None,
+        segments: int,
+        device: str | torch.device,
+        pool: KVPool | None,
+        quant: PoolBuilder | None,
+        residual_tokens: int | None,
+        staging_blocks: int | None,
+        layer_scales: torch.Tensor | None,
+    ) -> KVPool:
+        """The pool given, the one ``quant`` builds, or a :class:`BlockPool` (each option checked first)."""
+        quant_only = {
+            "residual_tokens": residual_tokens,
+            "staging_blocks": staging_blocks,
+            "layer_scales": layer_scales,
+        }
+        if pool is not None:
+            given = {"num_blocks": num_blocks, "byte_budget": byte_budget, "quant": quant, **quant_only}
+            extra = [name for name, value in given.items() if value is not None] + (
+                ["segments"] if segments != 1 else []
+            )
+            if extra:
+                raise ConfigError(f"pool= is the whole storage: drop {extra} (they size or build a pool)")
+            if not isinstance(pool, KVPool):
+                raise ArgumentTypeError(
+                    f"pool: expected a KVPool (BlockPool, QuantizedBlockPool...), got {type(pool)!r}"
+                )
+            if pool.spec != spec:
+                raise ConfigError(f"pool was built for {pool.spec}, not for this PagedKV's {spec}")
+            return pool
+        if quant is None:
+            extra = [name for name, value in quant_only.items() if value is not None]
+            if extra:
+                raise ConfigError(f"{extra} configure a quantized pool: pass quant=<scheme> too")
+            return BlockPool(spec, num_blocks, byte_budget=byte_budget, segments=segments, device=device)
+        if not callable(getattr(quant, "build_pool", None)):
+            raise ConfigError(f"quant: expected a memos_ref.quant scheme (one that builds its pool), got {quant!r}")
+        if byte_budget is not None or segments != 1:
+            raise ConfigError("a quantized pool is sized by num_blocks and has one segment")
+        return quant.build_pool(
+            spec,
+            num_blocks,  # type: ignore[arg-type]  # the pool checks it
+            residual_tokens=residual_tokens,
+            staging_blocks=staging_blocks,
+            layer_scales=layer_scales,
+            device=device,
+        )
+
     def _on_block_event(self, event: BlockEvent) -> None:
         """What the K/V memory does when block state changes (drained by the allocator before it returns): debug
-        poisoning of freed blocks; a quantized pool gives back the staging slot of a freed or evicted block and
-        seals a block that stays cached (no residual window applies to it)."""
-        kind, block = event.kind, event.block
-        if kind == FREED:
-            if self._debug:
-                self.pool.poison(block)  # a quantized pool's poison releases the staging slot too
-            elif self._quantized:
-                self.pool.release(block)  # type: ignore[union-attr]
-        elif self._quantized:
-            if kind == EVICTED:
-                self.pool.release(block)  # type: ignore[union-attr]
-            elif kind == CACHED:
-                self.pool.seal_cached(block)  # type: ignore[union-attr]
+        poisoning of freed blocks, and the events the pool asked for (:attr:`KVPool.block_events`: a quantized
+        pool gives back the staging slot of a freed or evicted block and seals a block that stays cached)."""
+        if self._debug and event.kind == FREED:
+            self.pool.poison(event.block)  # a quantized pool's poison releases the staging slot too
+        elif event.kind in self.pool.block_events:
+            self.pool.on_block_event(event)
 
     def new_sequence(self, cache_salt: str | None = None) -> SequenceCache:
         """An empty sequence over this memory."""

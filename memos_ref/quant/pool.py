@@ -42,6 +42,7 @@ from memos_ref.errors import (
     StagingFullError,
     check_type,
 )
+from memos_ref.paged.allocator import CACHED, EVICTED, FREED, BlockEvent
 from memos_ref.paged.pool import check_block_id, check_block_table, check_kv, check_layer, check_slots
 from memos_ref.quant.schemes import (
     FP8_MAX,
@@ -72,7 +73,10 @@ class QuantizedBlockPool:
         layer_scales: ``[L, 2]`` calibrated per-tensor int8 scales (per layer, K and V).
     """
 
-    quantized = True
+    #: :class:`~memos_ref.paged.kvpool.KVPool` flags: reads decode, and the allocator events the pool hears
+    #: (the staging slot of a freed or evicted block is released; a block left in the prefix cache is sealed).
+    quantized: bool = True
+    block_events: frozenset[str] = frozenset({FREED, EVICTED, CACHED})
 
     def __init__(
         self,
@@ -119,6 +123,9 @@ class QuantizedBlockPool:
         self.num_blocks = num_blocks
         self.residual_tokens = residual_tokens
         self.streaming = not isinstance(scheme, KIVI) and residual_tokens == 0
+        # whether sequences must report their residual windows (hold/unhold): blocks are staged at full
+        # precision and sealed later
+        self.tracks_windows: bool = not self.streaming
         if staging_blocks is None:
             staging_blocks = 0 if self.streaming else max(8, num_blocks // 4)
         self.staging = torch.zeros((staging_blocks, *spec.block_shape), dtype=spec.dtype, device=self.device)
@@ -189,15 +196,14 @@ class QuantizedBlockPool:
         return check_block_id(block, self.num_blocks)
 
     @property
-    def tracks_windows(self) -> bool:
-        """Whether sequences must report their residual windows (:meth:`hold`/:meth:`unhold`): blocks are staged
-        at full precision and sealed later."""
-        return not self.streaming
-
-    @property
     def staging_available(self) -> int:
         """Free full-precision staging blocks."""
         return len(self._staging_free)
+
+    @property
+    def staging_capacity(self) -> int:
+        """Full-precision staging blocks in all."""
+        return self.staging.shape[0]
 
     def is_staged(self, block: int) -> bool:
         return int(self.staging_slot[block]) >= 0
@@ -215,6 +221,14 @@ class QuantizedBlockPool:
                     self.staging[slot, layer] = self._decode(idx, layer)[0].to(self.spec.dtype)
             self.staging_slot[block] = slot
         return slot
+
+    def on_block_event(self, event: BlockEvent) -> None:
+        """Allocator events (:attr:`block_events`): a freed or evicted block gives back its staging slot; a block
+        whose last holder let go and that stays cached is sealed (:meth:`seal_cached`)."""
+        if event.kind in (FREED, EVICTED):
+            self.release(event.block)
+        elif event.kind == CACHED:
+            self.seal_cached(event.block)
 
     def release(self, block: int) -> None:
         """Forget a freed or evicted block's staging slot (allocator hook)."""

@@ -19,10 +19,15 @@ tokens, channels), and returns a :class:`QTensor` — the stored integer or fp8 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from memos_ref.errors import ConfigError, DTypeError, InvalidArgumentError, ShapeError, check_type
+from memos_ref.spec import KVSpec
+
+if TYPE_CHECKING:
+    from memos_ref.quant.pool import QuantizedBlockPool
 
 __all__ = [
     "FP8E4M3",
@@ -131,6 +136,30 @@ class Quantizer:
 
     def round_trip(self, x: torch.Tensor, kind: str = "key") -> torch.Tensor:
         return self.dequantize(self.quantize(x, kind)).to(x.dtype)
+
+    def build_pool(
+        self,
+        spec: KVSpec,
+        num_blocks: int,
+        *,
+        residual_tokens: int | None = None,
+        staging_blocks: int | None = None,
+        layer_scales: torch.Tensor | None = None,
+        device: str | torch.device = "cpu",
+    ) -> QuantizedBlockPool:
+        """A :class:`~memos_ref.quant.pool.QuantizedBlockPool` of this scheme (what ``PagedKV(spec, n, quant=self)``
+        holds: the paged layer asks the scheme for its pool instead of importing the quant layer)."""
+        from memos_ref.quant.pool import QuantizedBlockPool
+
+        return QuantizedBlockPool(
+            spec,
+            num_blocks,
+            self,
+            residual_tokens=residual_tokens,
+            staging_blocks=staging_blocks,
+            layer_scales=layer_scales,
+            device=device,
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
