@@ -83,3 +83,19 @@ def test_recorded_waste_equals_a_fresh_run() -> None:
     recorded = report.load_results(ROOT)["waste"]
     assert fresh["results"] == recorded["results"]
     assert fresh["config"] == recorded["config"]
+
+
+def test_adopt_stores_an_earlier_run_with_its_date_and_no_load(repo: Path, tmp_path: Path) -> None:
+    data = json.loads((repo / "results" / "waste.json").read_text())
+    del data["recorded"]
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps(data))
+    out = report.adopt(earlier, stem="waste", command="python -m memos_ref.bench waste --json", commit="abc", root=repo)
+    stored = json.loads(out.read_text())
+    assert stored["recorded"]["commit"] == "abc" and stored["recorded"]["load_1m_before"] is None
+    assert "load not recorded" in report.provenance(stored, "waste")
+    assert report.check(repo) == ["waste"]  # the provenance line changed: the README must be rendered again
+    del data["summary"]
+    earlier.write_text(json.dumps(data))
+    with pytest.raises(CorruptCacheError, match="missing keys"):
+        report.adopt(earlier, stem="waste", command="x", commit="abc", root=repo)

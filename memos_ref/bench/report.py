@@ -37,6 +37,7 @@ from memos_ref.errors import ConfigError, CorruptCacheError
 
 __all__ = [
     "BLOCKS",
+    "adopt",
     "blocks_in",
     "check",
     "load_results",
@@ -107,6 +108,30 @@ def record(name: str, *, model: str | None = None, quick: bool = False, root: Pa
     return out
 
 
+def adopt(path: Path, *, stem: str, command: str, commit: str, root: Path | None = None) -> Path:
+    """Store a benchmark JSON produced earlier (``python -m memos_ref.bench NAME --json > FILE``) as
+    ``results/<stem>.json``: its date is the file's modification time, its load was not recorded."""
+    root = root or _root()
+    if path.is_symlink() or path.stat().st_size > _MAX_RESULT_BYTES:
+        raise CorruptCacheError(f"{path}: expected a regular file of at most {_MAX_RESULT_BYTES} bytes")
+    report = json.loads(path.read_text())
+    missing = {"bench", "machine", "config", "results", "summary"} - set(report)
+    if missing:
+        raise CorruptCacheError(f"{path}: expected a benchmark's JSON, missing keys {sorted(missing)}")
+    mtime = _dt.datetime.fromtimestamp(path.stat().st_mtime, _dt.UTC)
+    report["recorded"] = {
+        "date": mtime.strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit,
+        "load_1m_before": None,
+        "load_1m_after": None,
+        "command": command,
+    }
+    out = root / "results" / f"{stem}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    return out
+
+
 def load_results(root: Path | None = None) -> dict[str, Report]:
     """Every ``results/*.json``, keyed by file stem; each is bounded in size and must be a benchmark envelope."""
     folder = (root or _root()) / "results"
@@ -137,7 +162,8 @@ def provenance(report: Report, stem: str) -> str:
     """One line: when, on what, under what load, by which command, into which file."""
     rec, mach = report["recorded"], report["machine"]
     load = rec.get("load_1m_before")
-    load_txt = f"1-min load {load:g} on {mach.get('cores')} cores" if load is not None else f"{mach.get('cores')} cores"
+    cores = mach.get("cores")
+    load_txt = f"1-min load {load:g} on {cores} cores" if load is not None else f"{cores} cores, load not recorded"
     return (
         f"<sub>Measured {rec['date']} on {mach.get('cpu')}, {load_txt}, torch {mach.get('torch')}, "
         f"commit {rec['commit']}: `{rec['command']}` → `results/{stem}.json`.</sub>"
@@ -224,6 +250,46 @@ def _quant(r: Report) -> str:
     return head + _table(["scheme", "perplexity Δ", "KL", "greedy", "bytes/token vs fp16"], body)
 
 
+def _sharing(r: Report) -> str:
+    body, above, below = [], [], []
+    for row in r["results"]:
+        if row["subagents"] == 1:
+            continue
+        case = f"{row['subagents']} × {row['prompt_tokens']:,}"
+        timed = row.get("prefill_time_ratio") is not None
+        lo, hi = row.get("prefill_time_ratio_min"), row.get("prefill_time_ratio_max")
+        time_cell = f"{row['prefill_time_ratio']:.2f}× [{lo:.2f}–{hi:.2f}]" if timed else "(not timed)"
+        body.append(
+            [
+                case,
+                f"{row['blocks_shared']:,} / {row['blocks_unshared']:,}",
+                f"{row['prefill_tokens_shared']:,} / {row['prefill_tokens_unshared']:,}",
+                f"{row['prefill_tokens_ratio']:.2f}×",
+                time_cell,
+            ]
+        )
+        if timed:
+            (above if row["prefill_time_ratio"] > row["prefill_tokens_ratio"] else below).append(case)
+    table = _table(
+        [
+            "sub-agents × prompt",
+            "blocks shared / unshared",
+            "prefill tokens shared / unshared",
+            "token ratio",
+            "prefill time ratio, median [min–max]",
+        ],
+        body,
+    )
+    verdict = (
+        f"The prefill time saved exceeds the tokens saved in {len(above)} of {len(above) + len(below)} timed cases"
+        + (f" ({', '.join(above)})" if above else "")
+        + (f"; it falls short of them in {', '.join(below)}" if below else "")
+        + ": recomputing a long prompt costs more than its share of tokens (attention is quadratic), while each"
+        " fork's task attends over the prompt through the pool."
+    )
+    return table + "\n\n" + verdict
+
+
 BLOCKS: dict[str, tuple[str, Callable[[Report], str]]] = {
     "waste": ("waste", _waste),
 }
@@ -283,11 +349,19 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("name")
     rec.add_argument("--model")
     rec.add_argument("--quick", action="store_true")
+    ado = sub.add_parser("adopt", help="store an earlier benchmark JSON (its load unrecorded) as results/STEM.json")
+    ado.add_argument("file", type=Path)
+    ado.add_argument("--stem", required=True)
+    ado.add_argument("--command", required=True, help="the command that produced it")
+    ado.add_argument("--commit", required=True, help="the commit it was measured on")
     ren = sub.add_parser("render", help="regenerate the README's results blocks")
     ren.add_argument("--check", action="store_true", help="compare only; exit 1 when the README disagrees")
     args = parser.parse_args(argv)
     if args.cmd == "record":
         print(record(args.name, model=args.model, quick=args.quick))
+        return 0
+    if args.cmd == "adopt":
+        print(adopt(args.file, stem=args.stem, command=args.command, commit=args.commit))
         return 0
     if args.check:
         stale = check()
