@@ -19,22 +19,15 @@ from memos_ref.attention import gather_kv, paged_attention
 from memos_ref.errors import ConfigError, DTypeError, ShapeError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNEL_MODE = "triton" if DEVICE == "cuda" else "interpret"  # never interpret once Triton is imported compiled
+FP8_OK = DEVICE == "cpu" or torch.cuda.get_device_capability() >= (8, 9)
 
 
-def make_case(seed, lens, h=2, group=4, t=16, d=32, blocks=None, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    need = sum(-(-n // t) for n in lens)
-    n = blocks or need + 3
-    pool = torch.randn(n, 2, h, t, d, generator=g).to(dtype)  # one layer: [N, 2, H, T, D]
-    perm = torch.randperm(n, generator=g).tolist()
-    widest = max(1, max(-(-x // t) for x in lens))
-    tables = torch.full((len(lens), widest), -1, dtype=torch.long)
-    for i, x in enumerate(lens):
-        k = -(-x // t)
-        tables[i, :k] = torch.tensor(perm[:k])
-        perm = perm[k:]
-    q = torch.randn(len(lens), h * group, d, generator=g).to(dtype)
-    return q.to(DEVICE), pool.to(DEVICE), tables.to(DEVICE), torch.tensor(lens, device=DEVICE)
+def make_case(seed, lens, h=2, group=4, t=16, d=32, dtype=torch.float32):
+    """Query, one layer's pool [N, 2, H, T, D], shuffled non-contiguous block tables and lengths, on DEVICE."""
+    from memos_kernels.paged_decode import random_paged_case
+
+    return random_paged_case(seed, lens, kv_heads=h, group=group, block_size=t, head_dim=d, dtype=dtype, device=DEVICE)
 
 
 @pytest.mark.parametrize(
@@ -88,7 +81,7 @@ def test_write_kv_into_the_real_pool_layout():
     spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
     kv = PagedKV(spec, 8, device=DEVICE)
     seq = kv.new_sequence()
-    slots = seq.reserve(20)
+    slots = torch.as_tensor(seq.reserve(20), device=DEVICE)
     key, value = torch.randn(20, 2, 16, device=DEVICE), torch.randn(20, 2, 16, device=DEVICE)
     view = kv.pool.layer_view(1)  # [N, 2, H, T, D], strided: the layer axis is skipped
     tk.write_kv(key, value, slots, view[:, 0], view[:, 1])
@@ -128,14 +121,14 @@ def test_generation_through_the_kernels_equals_the_reference(monkeypatch):
     from memos_ref.model import load_model
     from memos_ref.paged import PagedKV
 
-    model = load_model()
-    ids = torch.tensor([list(b"def quantize(x, scale):\n    return ")])
+    model = load_model().to(DEVICE)
+    ids = torch.tensor([list(b"def quantize(x, scale):\n    return ")], device=DEVICE)
     outs = {}
-    for mode in ("reference", "interpret"):
+    for mode in ("reference", KERNEL_MODE):
         monkeypatch.setenv("MEMOS_REF_KERNELS", mode)
-        assert ops.use_kernels(torch.device("cpu")) == (mode == "interpret")
-        outs[mode] = model.generate(ids, 12, PagedCache(PagedKV(model.kv_spec(block_size=16), 16)))
-    assert torch.equal(outs["reference"], outs["interpret"])
+        assert ops.use_kernels(torch.device(DEVICE)) == (mode == KERNEL_MODE)
+        outs[mode] = model.generate(ids, 12, PagedCache(PagedKV(model.kv_spec(block_size=16), 16, device=DEVICE)))
+    assert torch.equal(outs["reference"], outs[KERNEL_MODE])
     monkeypatch.setenv("MEMOS_REF_KERNELS", "sideways")
     with pytest.raises(ConfigError, match="MEMOS_REF_KERNELS"):
         ops.kernel_mode()
@@ -153,7 +146,9 @@ def test_paged_prefill_matches_reference(lens, qlens, t):
     assert torch.allclose(got.cpu(), want, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+@pytest.mark.parametrize(
+    "scheme", ["int8", pytest.param("fp8", marks=pytest.mark.skipif(not FP8_OK, reason="fp8 kernels: sm_89+"))]
+)
 def test_dequantizing_decode_reads_the_quantized_pool(scheme):
     """The kernel reads the quantized pool's payload directly; the oracle is the reference attention over the
     pool's own dequantized blocks."""
@@ -162,13 +157,14 @@ def test_dequantizing_decode_reads_the_quantized_pool(scheme):
     from memos_ref.spec import KVSpec
 
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32)
-    kv = PagedKV(spec, 24, quant=PerTokenInt8() if scheme == "int8" else FP8E4M3(), prefix_caching=False)
+    scheme_obj = PerTokenInt8() if scheme == "int8" else FP8E4M3()
+    kv = PagedKV(spec, 24, quant=scheme_obj, prefix_caching=False, device=DEVICE)
     g = torch.Generator().manual_seed(1)
     seqs = []
     for n in (37, 5, 64):
         seq = kv.new_sequence()
         for layer in range(2):
-            x = torch.randn(2, n, 32, generator=g) * 3
+            x = (torch.randn(2, n, 32, generator=g) * 3).to(DEVICE)
             seq.append(layer, x, x.flip(-1))
         seqs.append(seq)
     layer = 1
@@ -178,12 +174,13 @@ def test_dequantizing_decode_reads_the_quantized_pool(scheme):
     tables = torch.full((3, 4), -1, dtype=torch.long)
     for i, s in enumerate(seqs):
         tables[i, : s.num_blocks] = torch.tensor(s.block_table)
-    lens = torch.tensor([s.num_tokens for s in seqs])
-    q = torch.randn(3, 8, 32, generator=g)
+    tables = tables.to(DEVICE)
+    lens = torch.tensor([s.num_tokens for s in seqs], device=DEVICE)
+    q = torch.randn(3, 8, 32, generator=g).to(DEVICE)
     got = tk.paged_decode_attention(
         q, codes[:, 0], codes[:, 1], tables, lens, quant=scheme, key_scale=scales[:, 0], value_scale=scales[:, 1]
     )
-    blocks = kv.pool.read_blocks(torch.arange(24), layer)  # dequantized [N, 2, H, T, D]
+    blocks = kv.pool.read_blocks(torch.arange(24, device=DEVICE), layer)  # dequantized [N, 2, H, T, D]
     want = paged_attention(q[:, :, None], blocks[:, 0], blocks[:, 1], tables, lens)[:, :, 0]
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ShapeError, match="needs key_scale"):
@@ -196,11 +193,11 @@ def test_write_kv_int8_matches_the_quantized_pool():
     from memos_ref.spec import KVSpec
 
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32)
-    ref = PagedKV(spec, 8, quant=PerTokenInt8(), prefix_caching=False)
-    mine = PagedKV(spec, 8, quant=PerTokenInt8(), prefix_caching=False)
+    ref = PagedKV(spec, 8, quant=PerTokenInt8(), prefix_caching=False, device=DEVICE)
+    mine = PagedKV(spec, 8, quant=PerTokenInt8(), prefix_caching=False, device=DEVICE)
     g = torch.Generator().manual_seed(2)
-    key, value = torch.randn(40, 2, 32, generator=g) * 4, torch.randn(40, 2, 32, generator=g)
-    slots = torch.cat([torch.arange(0, 20), torch.tensor([-1]), torch.arange(48, 67)])
+    key, value = (torch.randn(40, 2, 32, generator=g) * 4).to(DEVICE), torch.randn(40, 2, 32, generator=g).to(DEVICE)
+    slots = torch.cat([torch.arange(0, 20), torch.tensor([-1]), torch.arange(48, 67)]).to(DEVICE)
     ref.pool.write(1, slots, key, value)
     p = mine.pool.payload
     tk.write_kv_int8(
@@ -227,17 +224,18 @@ def test_kernel_benchmark_quick_json_contract():
     assert all(r["kv_bytes"] > 0 and r["paged_ms"] > 0 for r in report["results"])
 
 
+@pytest.mark.skipif(not FP8_OK, reason="fp8 kernels: sm_89+")
 def test_write_kv_fp8_matches_the_quantized_pool():
     from memos_ref.paged import PagedKV
     from memos_ref.quant import FP8E4M3
     from memos_ref.spec import KVSpec
 
     spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32)
-    ref = PagedKV(spec, 6, quant=FP8E4M3(), prefix_caching=False)
-    mine = PagedKV(spec, 6, quant=FP8E4M3(), prefix_caching=False)
+    ref = PagedKV(spec, 6, quant=FP8E4M3(), prefix_caching=False, device=DEVICE)
+    mine = PagedKV(spec, 6, quant=FP8E4M3(), prefix_caching=False, device=DEVICE)
     g = torch.Generator().manual_seed(3)
-    key, value = torch.randn(30, 2, 32, generator=g) * 5, torch.randn(30, 2, 32, generator=g)
-    slots = torch.arange(30)
+    key, value = (torch.randn(30, 2, 32, generator=g) * 5).to(DEVICE), torch.randn(30, 2, 32, generator=g).to(DEVICE)
+    slots = torch.arange(30, device=DEVICE)
     ref.pool.write(0, slots, key, value)  # one write into fresh blocks: the scales fit every token
     p, r = mine.pool.payload, ref.pool.payload
     p["scale"].copy_(r["scale"])  # the scales the pool chose (growing them is the pool's job, not the kernel's)
@@ -287,14 +285,13 @@ def test_review_regressions():
     with pytest.raises(ShapeError, match="same strides"):
         tk.paged_decode_attention(q, pool2[:, 0], pool2[:, 1].contiguous(), tables, lens)
     # shapes outside the kernel's limits fall back to the reference, even when kernels are asked for
-    os.environ["MEMOS_REF_KERNELS"] = "interpret"
+    os.environ["MEMOS_REF_KERNELS"] = KERNEL_MODE
     try:
-        q48 = torch.randn(1, 4, 48)
-        cache48 = torch.randn(3, 2, 2, 16, 48)
-        out = ops.paged_decode(q48, cache48[:, 0], cache48[:, 1], torch.tensor([[0, 2]]), torch.tensor([20]))
-        want = paged_attention(
-            q48[:, :, None], cache48[:, 0], cache48[:, 1], torch.tensor([[0, 2]]), torch.tensor([20])
-        )
+        q48 = torch.randn(1, 4, 48, device=DEVICE)
+        cache48 = torch.randn(3, 2, 2, 16, 48, device=DEVICE)
+        tables, lens = torch.tensor([[0, 2]], device=DEVICE), torch.tensor([20], device=DEVICE)
+        out = ops.paged_decode(q48, cache48[:, 0], cache48[:, 1], tables, lens)
+        want = paged_attention(q48[:, :, None], cache48[:, 0], cache48[:, 1], tables, lens)
         assert torch.allclose(out, want[:, :, 0])
     finally:
         os.environ.pop("MEMOS_REF_KERNELS")
@@ -307,23 +304,25 @@ def test_kivi_decode_reads_packed_blocks_and_the_residual(bits, group, residual)
     from memos_ref.spec import KVSpec
 
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=32, dtype=torch.float32)
-    kv = PagedKV(spec, 24, quant=KIVI(bits, group), residual_tokens=residual, staging_blocks=24, prefix_caching=False)
+    kv = PagedKV(spec, 24, quant=KIVI(bits, group), residual_tokens=residual, staging_blocks=24, prefix_caching=False,
+                 device=DEVICE)  # fmt: skip
     g = torch.Generator().manual_seed(bits + group)
     seqs = []
     for n in (150, 9, 64):
         seq = kv.new_sequence()
         for layer in range(2):
-            x = torch.randn(2, n, 32, generator=g) * 2
+            x = (torch.randn(2, n, 32, generator=g) * 2).to(DEVICE)
             seq.append(layer, x, -x * 0.5)
         seqs.append(seq)
     assert (kv.pool.seals > 0 and kv.pool.staged_blocks > 0) or residual == 0  # both kinds of block are read
     tables = torch.full((3, 5), -1, dtype=torch.long)
     for i, s in enumerate(seqs):
         tables[i, : s.num_blocks] = torch.tensor(s.block_table)
-    lens = torch.tensor([s.num_tokens for s in seqs])
-    q = torch.randn(3, 8, 32, generator=g)
+    tables = tables.to(DEVICE)
+    lens = torch.tensor([s.num_tokens for s in seqs], device=DEVICE)
+    q = torch.randn(3, 8, 32, generator=g).to(DEVICE)
     for layer in range(2):
         got = tk.paged_decode_attention_kivi(q, kv.pool, layer, tables, lens, blocks_per_split=2)
-        blocks = kv.pool.read_blocks(torch.arange(24), layer)
+        blocks = kv.pool.read_blocks(torch.arange(24, device=DEVICE), layer)
         want = paged_attention(q[:, :, None], blocks[:, 0], blocks[:, 1], tables, lens)[:, :, 0]
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
