@@ -254,22 +254,44 @@ def test_write_kv_fp8_matches_the_quantized_pool():
 
 
 @pytest.mark.parametrize("capability", [87, 90])
-def test_every_kernel_compiles_for_a_real_gpu(capability):
-    """The interpreter skips some compiler rules; compile each kernel ahead of time for Jetson Orin (sm_87) and
-    Hopper (sm_90) with Triton's own compiler and ptxas (no GPU needed)."""
+def test_every_kernel_compiles_for_a_real_gpu_without_spills(capability):
+    """The interpreter skips some compiler rules and says nothing of resources: compile each kernel ahead of time
+    for Jetson Orin (sm_87) and Hopper (sm_90) with Triton's own compiler and ptxas (no GPU needed), with the
+    run-time specializations, and fail on any spill in the decode and write kernels (issue 18 item 4).
+    MEMOS_REF_FULL_KERNELS=1 compiles the whole fp16/bf16 x GQA 1/4/8 x block 16/32/64 x head dim 64/128 matrix."""
     import json
     import subprocess
     import sys
 
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        get_ptxas(capability).path  # noqa: B018 - raises when Triton ships no ptxas for this target
+    except Exception as exc:  # pragma: no cover - depends on the Triton wheel
+        pytest.skip(f"Triton's NVIDIA backend or its ptxas is unavailable here: {exc}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [str(capability)] + (["--full"] if os.environ.get("MEMOS_REF_FULL_KERNELS") == "1" else [])
     done = subprocess.run(
-        [sys.executable, "-m", "memos_kernels.aot_check", str(capability)], capture_output=True, text=True, env=env,
-        timeout=600,
+        [sys.executable, "-m", "memos_kernels.aot_check", *args], capture_output=True, text=True, env=env,
+        timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    built = json.loads(done.stdout.strip().splitlines()[-1])
-    assert all("cubin" in stages for stages in built.values())
-    assert ("decode_fp8" in built) == (capability >= 89)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all("cubin" in r["stages"] and r["registers"] > 0 for r in report["resources"])
+    names = {r["name"] for r in report["resources"]}
+    assert any(n.startswith("decode_fp8") for n in names) == (capability >= 89)
+    assert report["hot_spills"] == [], report["hot_spills"]
+
+
+def test_the_resource_check_flags_a_hot_spill():
+    """The spill check can fail: a spilled decode configuration is reported, a spilled copy kernel is not hot."""
+    from memos_kernels.aot_check import Resources, format_table, spills
+
+    rows = [Resources("decode_fp16_g4_t16_d128", 90, 255, 40, 56, 96, ("cubin",)),
+            Resources("copy_blocks", 90, 255, 8, 8, 8, ("cubin",)),
+            Resources("write_kv_t16_d128", 87, 20, 0, 0, 0, ("cubin",))]  # fmt: skip
+    assert spills(rows) == ["decode_fp16_g4_t16_d128@sm_90"]
+    assert "| decode_fp16_g4_t16_d128 | sm_90 | 255 | 40 | 56 | 96 |" in format_table(rows)
 
 
 def test_review_regressions():
