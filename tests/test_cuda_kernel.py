@@ -40,3 +40,18 @@ def test_runs_like_the_reference():  # pragma: no cover - needs a GPU
     got = paged_decode(q, pool[:, 0], pool[:, 1], tables, lens)
     want = paged_attention(q[:, :, None], pool[:, 0], pool[:, 1], tables, lens)[:, :, 0]
     assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_the_binding_refuses_bf16_and_mixed_devices():
+    """Regression (issue 18): every non-fp32 dtype went down the fp16 path (bf16 failed with an unclear error) and
+    no device was checked; now both are refused up front, before the extension is built."""
+    from memos_kernels.cuda import paged_decode
+
+    from memos_ref.errors import DeviceError, DTypeError
+
+    pool = torch.zeros(2, 2, 2, 16, 64, dtype=torch.bfloat16)
+    q, tables, lens = torch.zeros(1, 4, 64, dtype=torch.bfloat16), torch.tensor([[0]]), torch.tensor([3])
+    with pytest.raises(DTypeError, match="bf16"):
+        paged_decode(q, pool[:, 0], pool[:, 1], tables, lens)
+    with pytest.raises(DeviceError, match="one CUDA device"):
+        paged_decode(q.half(), pool[:, 0].half(), pool[:, 1].half(), tables.to("meta"), lens)

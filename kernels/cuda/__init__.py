@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from memos_ref.errors import BackendUnavailableError, ShapeError
+from memos_ref.errors import BackendUnavailableError, DeviceError, DTypeError, ShapeError
 
 __all__ = ["SOURCE", "load", "paged_decode"]
 
@@ -63,10 +63,19 @@ def load() -> Any:
 
 
 def paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float | None = None):
-    """Decode attention ``[B, Hq, D]`` over caches ``[N, H, T, D]`` with the CUDA C++ kernel."""
+    """Decode attention ``[B, Hq, D]`` over caches ``[N, H, T, D]`` with the CUDA C++ kernel: a minimal teaching
+    kernel (one thread block per query head, no split-K), fp32 and fp16 only — the Triton kernel
+    (:func:`memos_kernels.paged_decode.paged_decode_attention`) is the fast path and the one for bf16."""
     import math
 
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    if query.dtype not in (torch.float32, torch.float16) or key_cache.dtype != query.dtype:
+        raise DTypeError(
+            f"the CUDA C++ kernel takes fp32 or fp16 queries and caches of the same dtype, got {query.dtype} and "
+            f"{key_cache.dtype}: use the Triton kernel for bf16"
+        )
+    if len({query.device, key_cache.device, value_cache.device, block_tables.device, seq_lens.device}) != 1:
+        raise DeviceError("query, caches, block tables and lengths must be on one CUDA device")
     if key_cache.stride() != value_cache.stride():
         raise ShapeError("key and value caches must have the same strides (two views of one pool)")
     return load().paged_decode(
