@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +24,29 @@ from memos_edge.plan import Plan, plan
 
 from memos_ref.errors import ConfigError
 
-__all__ = ["BuildConfig", "build_command", "deploy_script", "main", "make_config", "run_command"]
+__all__ = [
+    "BuildConfig",
+    "build_command",
+    "deploy_script",
+    "main",
+    "make_config",
+    "run_command",
+    "variants",
+]
 
 DIALECTS = ("v0.12", "latest")
 
 
+VARIANTS = ("reuse", "safe")
+PLUGIN_DTYPES = ("float16", "bfloat16", "float32", "auto")
+
+
 @dataclass(frozen=True)
 class BuildConfig:
+    """One engine build and its run. ``variant`` ``reuse``: paged context FMHA, block reuse (our prefix sharing on
+    the device) and chunked context; ``safe``: NVIDIA's Jetson recipe (``README4Jetson.md``: ``trtllm-build
+    --checkpoint_dir ... --gemm_plugin float16``, everything else default — no paged context FMHA)."""
+
     checkpoint_dir: str
     engine_dir: str
     dtype: str
@@ -43,14 +59,42 @@ class BuildConfig:
     kv_cache_free_gpu_memory_fraction: float
     max_tokens_in_paged_kv_cache: int
     kv_dtype: str
+    variant: str = "reuse"
+    use_mmap: bool = True
+
+    @property
+    def paged_context_fmha(self) -> bool:
+        return self.variant == "reuse"
+
+    @property
+    def block_reuse(self) -> bool:
+        return self.variant == "reuse"
 
     def check(self) -> None:
+        """Refuse what TensorRT-LLM 0.12 would refuse on the device (or build into a wrong engine)."""
         t = self.tokens_per_block
-        if t < 8 or t > 128 or t & (t - 1):
-            raise ConfigError(f"tokens_per_block must be a power of two in 8-128 (the XQA kernel), got {t}")
+        if self.variant not in VARIANTS:
+            raise ConfigError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.dtype not in PLUGIN_DTYPES:
+            raise ConfigError(f"plugin dtype must be one of {PLUGIN_DTYPES}, got {self.dtype!r}")
+        if t < 1 or t & (t - 1):
+            raise ConfigError(f"tokens_per_block must be a power of two (TensorRT-LLM's KV cache manager), got {t}")
         if self.max_seq_len < self.max_input_len:
             raise ConfigError(f"max_seq_len {self.max_seq_len} is below max_input_len {self.max_input_len}")
+        if self.kv_dtype == "fp8":
+            raise ConfigError("FP8 KV cache needs sm_89+; Orin is sm_87: use int8 or fp16")
+        if self.kv_dtype == "int8" and self.variant == "reuse":
+            # tensorrt_llm/builder.py build(): "Paged Context FMHA doesn't work with int8 kv cache currently."
+            # (the attention plugin asserts the same); block reuse and chunked context need paged context FMHA
+            raise ConfigError(
+                "INT8 KV cache cannot use paged context FMHA (TensorRT-LLM 0.12 builder.py refuses it), so no block "
+                "reuse and no chunked context either: use variant 'safe' with int8 KV, or fp16 KV for 'reuse'"
+            )
         if self.context_chunk is not None:
+            if not self.paged_context_fmha:
+                raise ConfigError(
+                    f"chunked context ({self.context_chunk}) needs paged context FMHA: variant 'reuse' with fp16 KV"
+                )
             if self.context_chunk % t:
                 raise ConfigError(
                     f"a context chunk of {self.context_chunk} tokens is not a multiple of tokens_per_block {t}"
@@ -59,13 +103,27 @@ class BuildConfig:
                 raise ConfigError(f"max_num_tokens {self.max_num_tokens} is below the context chunk")
         elif self.max_num_tokens < self.max_input_len:
             raise ConfigError(
-                f"max_num_tokens {self.max_num_tokens} < max_input_len {self.max_input_len}: enable chunked "
-                f"context (--context-chunk) or raise max_num_tokens"
+                f"max_num_tokens {self.max_num_tokens} < max_input_len {self.max_input_len}: without chunked context "
+                f"a whole prompt is one step; raise max_num_tokens (or chunk the context: variant 'reuse', fp16 KV)"
             )
-        if self.kv_dtype == "fp8":
-            raise ConfigError("FP8 KV cache needs sm_89+; Orin is sm_87: use int8 or fp16")
         if self.max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+    def check_checkpoint(self, ckpt: dict[str, Any]) -> None:
+        """The plugins' dtype must be the checkpoint's (or ``auto``) and the KV dtype what the checkpoint was
+        calibrated for: TensorRT-LLM builds the plugins in the dtype it is given, whatever the weights are."""
+        ck_dtype = ckpt.get("dtype")
+        if self.dtype != "auto" and ck_dtype != self.dtype:
+            raise ConfigError(
+                f"the plugins would be built in {self.dtype} but the checkpoint is {ck_dtype}: pass --dtype {ck_dtype}"
+                " (or auto)"
+            )
+        kv_algo = (ckpt.get("quantization") or {}).get("kv_cache_quant_algo")
+        if (kv_algo == "INT8") != (self.kv_dtype == "int8"):
+            raise ConfigError(
+                f"the checkpoint's kv_cache_quant_algo is {kv_algo} but the plan's KV is {self.kv_dtype}: export with"
+                f" {'--kv-int8' if self.kv_dtype == 'int8' else 'no --kv-int8'} or plan --kv-dtype to match"
+            )
 
 
 def make_config(
@@ -79,8 +137,11 @@ def make_config(
     max_seq_len: int | None = None,
     context_chunk: int | None = None,
     kv_fraction: float = 0.9,
+    variant: str = "reuse",
 ) -> BuildConfig:
     """A build configuration from a plan: the largest sequence that fits ``batch`` rows, by default."""
+    if not p.feasible:
+        raise ConfigError(f"{p.model} does not fit {p.device}: {p.why_infeasible}")
     fits = p.max_context_by_batch.get(batch)
     if fits is None:
         fits = min((p.blocks // batch) * p.tokens_per_block, max(p.max_context_by_batch.values(), default=0))
@@ -105,6 +166,8 @@ def make_config(
         kv_cache_free_gpu_memory_fraction=kv_fraction,
         max_tokens_in_paged_kv_cache=p.kv_tokens,
         kv_dtype=p.kv_dtype,
+        variant=variant,
+        use_mmap=p.use_mmap,
     )
     cfg.check()
     return cfg
@@ -126,7 +189,7 @@ def build_command(cfg: BuildConfig, dialect: str = "v0.12") -> list[str]:
         "--tokens_per_block", str(cfg.tokens_per_block),
         "--remove_input_padding", "enable",
         "--context_fmha", "enable",
-        "--use_paged_context_fmha", "enable",
+        *(["--use_paged_context_fmha", "enable"] if cfg.paged_context_fmha else []),
         "--max_batch_size", str(cfg.max_batch_size),
         "--max_input_len", str(cfg.max_input_len),
         "--max_seq_len", str(cfg.max_seq_len),
@@ -139,8 +202,8 @@ def runtime_config(cfg: BuildConfig) -> dict[str, Any]:
     """Runtime settings: the KV pool fraction, block reuse (our prefix sharing), chunked context."""
     return {
         "kv_cache_free_gpu_memory_fraction": cfg.kv_cache_free_gpu_memory_fraction,
-        "enable_block_reuse": True,
-        "enable_chunked_context": cfg.context_chunk is not None,
+        "enable_block_reuse": cfg.block_reuse,
+        "enable_chunked_context": cfg.context_chunk is not None and cfg.paged_context_fmha,
         "max_tokens_in_paged_kv_cache": cfg.max_tokens_in_paged_kv_cache,
         "tokens_per_block": cfg.tokens_per_block,
     }
@@ -155,7 +218,10 @@ def run_command(cfg: BuildConfig, tokenizer_dir: str, prompt: str, max_output_le
         "--tokenizer_dir", tokenizer_dir,
         "--max_output_len", str(max_output_len),
         "--kv_cache_free_gpu_memory_fraction", str(rt["kv_cache_free_gpu_memory_fraction"]),
-        "--kv_cache_enable_block_reuse",
+        # the planner's KV budget, passed (examples/utils.py add_common_args: --max_tokens_in_paged_kv_cache)
+        "--max_tokens_in_paged_kv_cache", str(rt["max_tokens_in_paged_kv_cache"]),
+        *(["--kv_cache_enable_block_reuse"] if rt["enable_block_reuse"] else []),
+        *(["--use_mmap"] if cfg.use_mmap else []),  # README4Jetson: run.py ... --use_mmap (no host copy)
         "--input_text", prompt,
     ]  # fmt: skip
     if rt["enable_chunked_context"]:
@@ -163,22 +229,149 @@ def run_command(cfg: BuildConfig, tokenizer_dir: str, prompt: str, max_output_le
     return cmd
 
 
-def deploy_script(cfg: BuildConfig, tokenizer_dir: str, prompt: str, dialect: str = "v0.12") -> str:
-    """A bash script for the device: build the engine, run a prompt, print tokens/s and the KV pool's lines."""
-    build = shlex.join(build_command(cfg, dialect))
-    run = shlex.join(run_command(cfg, tokenizer_dir, prompt))
-    return f"""#!/usr/bin/env bash
-# Generated by `python -m memos_edge.build_config` for TensorRT-LLM {dialect} on Jetson Orin (JetPack 6.1).
-# Run it from the TensorRT-LLM source tree (v0.12.0-jetson branch) or inside its Jetson container.
-set -euo pipefail
-{build} 2>&1 | tee build.log
-start=$(date +%s.%N)
-{run} --run_profiling 2>&1 | tee run.log
-end=$(date +%s.%N)
-echo "wall time: $(echo "$end - $start" | bc) s"
-grep -E "paged KV cache|tokens per block|max tokens in paged KV|Allocated .* KV" build.log run.log || true
-grep -Ei "tokens/s|throughput|latency" run.log || true
+def variants(cfg: BuildConfig) -> list[BuildConfig]:
+    """The builds to try on the device, in order: ``reuse`` (when the KV dtype allows it) then ``safe`` —
+    whether paged context FMHA builds on sm_87 is the first thing the device tells (issue 16 item 3)."""
+    out = []
+    if cfg.kv_dtype != "int8":
+        out.append(replace(cfg, variant="reuse", engine_dir=f"{cfg.engine_dir}-reuse"))
+    tokens = max(cfg.max_num_tokens, cfg.max_input_len + cfg.max_batch_size)  # no chunking: a whole prompt per step
+    out.append(
+        replace(cfg, variant="safe", context_chunk=None, max_num_tokens=tokens, engine_dir=f"{cfg.engine_dir}-safe")
+    )
+    for v in out:
+        v.check()
+    return out
+
+
+_RESULTS_PY = r"""
+import csv, json, os, re, sys
+out = os.environ["OUT"]
+def read(name):
+    path = os.path.join(out, name)
+    return open(path, errors="replace").read() if os.path.exists(path) else ""
+bench = re.findall(r"generation_tokens_per_second\s+([0-9.]+)", read("bench.log"), re.I)
+latency = re.findall(r"avg latency of \d+ iterations:[\s:]*([0-9.]+)", read("run.log"), re.I)
+ref, match = None, None
+if os.path.exists(os.path.join(out, "out.csv")) and os.path.exists(os.environ["REFERENCE"]):
+    ref = json.load(open(os.environ["REFERENCE"]))["tokens"]
+    got = [int(x) for row in csv.reader(open(os.path.join(out, "out.csv"))) for x in row if x.strip()]
+    got = got[len(ref["prompt"]):] if got[: len(ref["prompt"])] == ref["prompt"] else got
+    want = ref["greedy"]
+    n = 0
+    while n < min(len(got), len(want)) and got[n] == want[n]:
+        n += 1
+    match = {"equal_prefix": n, "reference": len(want), "engine": got[: len(want)]}
+json.dump({
+    "variant_built": os.environ["VARIANT"],
+    "clocks": os.environ["CLOCKS"],
+    "power_mode": os.environ["POWER_MODE"].strip(),
+    "plan": json.loads(read("plan.json") or "{}"),
+    "generation_tokens_per_second": float(bench[-1]) if bench else None,
+    "run_avg_latency_s": float(latency[-1]) if latency else None,
+    "run_wall_ns": int(os.environ["RUN_NS"] or 0),
+    "kv_lines": read("kv_lines.txt").splitlines(),
+    "greedy_vs_reference": match,
+}, open(os.path.join(out, "results.json"), "w"), indent=2)
+print(open(os.path.join(out, "results.json")).read())
 """
+
+
+def deploy_script(
+    cfg: BuildConfig,
+    tokenizer_dir: str,
+    prompt: str,
+    dialect: str = "v0.12",
+    *,
+    plan_summary: dict[str, Any] | None = None,
+    reference: str = "reference.json",
+) -> str:
+    """A bash script for the device (``bash -n`` and ``shellcheck`` clean): MAX-N clocks (asked first), the
+    ``reuse`` build then NVIDIA's ``safe`` one, a run with ``--use_mmap`` and the planner's
+    ``--max_tokens_in_paged_kv_cache``, tokens/s from ``gptSessionBenchmark`` (NVIDIA's tool for its 35.9 tok/s,
+    built by ``build_wheel.py --benchmarks``), the KV lines of the logs (case-insensitive), the engine's greedy
+    tokens against ``reference.json`` (the exported-tensor reference forward, when copied alongside) and one
+    ``results.json`` to bring back. No ``bc``: arithmetic is Python's."""
+    tries = variants(cfg)
+    summary = json.dumps(plan_summary or {"kv_tokens": cfg.max_tokens_in_paged_kv_cache})
+    lines = [
+        "#!/usr/bin/env bash",
+        f"# Generated by `python -m memos_edge.build_config` for TensorRT-LLM {dialect} on Jetson Orin (JetPack 6.1).",
+        "# Run inside the TensorRT-LLM v0.12.0-jetson tree or container (TRTLLM_DIR, default: here).",
+        "# MAXN=yes|no skips the question; OUT (default results) receives the logs and results.json.",
+        "set -euo pipefail",
+        "TRTLLM_DIR=${TRTLLM_DIR:-$PWD}",
+        "OUT=${OUT:-results}",
+        f"REFERENCE=${{REFERENCE:-{shlex.quote(reference)}}}",
+        'mkdir -p "$OUT"',
+        "",
+        "# 1. MAX-N clocks, as NVIDIA measured (README4Jetson: sudo nvpmodel -m 0; sudo jetson_clocks)",
+        "CLOCKS=unchanged",
+        "answer=n",
+        'if [ "${MAXN:-ask}" = yes ]; then',
+        "  answer=y",
+        'elif [ "${MAXN:-ask}" = ask ] && [ -t 0 ]; then',
+        '  read -r -p "Set MAX-N clocks now (sudo nvpmodel -m 0 && sudo jetson_clocks)? [y/N] " answer',
+        "fi",
+        'if [ "$answer" = y ] || [ "$answer" = Y ]; then',
+        "  sudo nvpmodel -m 0 && sudo jetson_clocks && CLOCKS=maxn",
+        "fi",
+        "POWER_MODE=$(nvpmodel -q 2>/dev/null | tr -s '[:space:]' ' ' || true)",
+        "",
+        "# 2. build: the first device check is which variant builds on sm_87",
+        "VARIANT=failed",
+        "ENGINE=",
+    ]
+    for i, v in enumerate(tries):
+        kw = "if" if i == 0 else "elif"
+        build = shlex.join(build_command(v, dialect))
+        lines.append(f'{kw} {build} > "$OUT/build-{v.variant}.log" 2>&1; then')
+        lines.append(f"  VARIANT={v.variant}")
+        lines.append(f"  ENGINE={shlex.quote(v.engine_dir)}")
+    lines += ["fi", 'echo "built: $VARIANT"', ""]
+    for v in tries:
+        run = shlex.join(run_command(v, tokenizer_dir, prompt)).replace(
+            "examples/run.py", '"$TRTLLM_DIR"/examples/run.py', 1
+        )
+        lines += [f"run_{v.variant}() {{", f'  {run} "$@"', "}"]
+    lines += [
+        "",
+        "# 3. run: greedy tokens against the reference when reference.json is here; a timed run",
+        "RUN_NS=0",
+        'if [ "$VARIANT" != failed ]; then',
+        "  extra=()",
+        '  if [ -f "$REFERENCE" ]; then',
+        '    python3 -c \'import json, sys; print(",".join(map(str, json.load(open(sys.argv[1]))["tokens"]'
+        '["prompt"])))\' "$REFERENCE" > "$OUT/prompt.csv"',
+        '    extra=(--input_file "$OUT/prompt.csv" --output_csv "$OUT/out.csv")',
+        "  fi",
+        "  start=$(date +%s%N)",
+        '  "run_$VARIANT" "${extra[@]}" --run_profiling > "$OUT/run.log" 2>&1 || echo "run failed: $OUT/run.log" >&2',
+        "  RUN_NS=$(( $(date +%s%N) - start ))",
+        "  # 4. tokens/s the way NVIDIA measured its 35.9 (gptSessionBenchmark, CUDA graphs, 128 in / 128 out)",
+        '  bench="$TRTLLM_DIR/cpp/build/benchmarks/gptSessionBenchmark"',
+        '  if [ -x "$bench" ]; then',
+        '    "$bench" --engine_dir "$ENGINE" --batch_size 1 --input_output_len 128,128 --enable_cuda_graph \\',
+        '      > "$OUT/bench.log" 2>&1 || echo "gptSessionBenchmark failed: $OUT/bench.log" >&2',
+        "  else",
+        '    echo "no $bench: build the wheel with --benchmarks for tokens/s" | tee "$OUT/bench.log"',
+        "  fi",
+        "fi",
+        "",
+        "# 5. the KV pool's lines (case-insensitive) and one results.json to bring back",
+        'grep -ihE "paged kv cache|tokens per block|max tokens in paged kv|allocated .*kv|kv cache" "$OUT"/*.log '
+        '> "$OUT/kv_lines.txt" || true',
+        "cat > \"$OUT/plan.json\" <<'JSON'",
+        summary,
+        "JSON",
+        "export OUT REFERENCE VARIANT CLOCKS POWER_MODE RUN_NS",
+        "python3 - <<'PY'",
+        _RESULTS_PY.strip(),
+        "PY",
+        'echo "bring back: $OUT/results.json and $OUT/*.log"',
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.write_deploy:
         path = Path(args.write_deploy)
-        path.write_text(deploy_script(cfg, args.tokenizer, args.prompt, args.dialect))
+        summary = {k: getattr(p, k) for k in ("model", "device", "kv_tokens", "tokens_per_block")}
+        summary["decode_bound_batch1"] = p.decode_tokens_per_s_bound.get(f"batch1_ctx{min(1024, p.kv_tokens)}")
+        path.write_text(deploy_script(cfg, args.tokenizer, args.prompt, args.dialect, plan_summary=summary))
         path.chmod(0o755)
     print(json.dumps(out, indent=2) if args.json else f"{out['build']}\n\n{out['run']}\n\n{json.dumps(out['runtime'])}")
     return 0

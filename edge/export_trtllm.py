@@ -53,6 +53,7 @@ __all__ = [
     "resolve_model_dir",
     "rope_settings",
     "trtllm_config",
+    "write_reference",
 ]
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -354,7 +355,10 @@ def export_tokenizer(model_dir: str | Path, out_dir: str | Path, *, max_length: 
 def _kv_scales(model_dir: Path, ids: torch.Tensor | None) -> list[float]:
     """Per-layer INT8 KV scale: max(|K|, |V|) over calibration text / 127 (TensorRT-LLM's per-layer scale)."""
     from memos_ref.model import load_model, shipped_model_dir
-    from memos_ref.quant.accuracy import calibrate_layer_scales
+    try:  # moving from quant.accuracy to bench.accuracy (issue 15): either path
+        from memos_ref.bench.accuracy import calibrate_layer_scales
+    except ImportError:
+        from memos_ref.quant.accuracy import calibrate_layer_scales
 
     model = load_model(model_dir)
     if ids is None:
@@ -418,6 +422,34 @@ def reference_forward(ckpt_dir: str | Path, input_ids: torch.Tensor) -> torch.Te
     return (x @ w["lm_head.weight"].T).float()
 
 
+@torch.no_grad()
+def write_reference(
+    ckpt_dir: str | Path, prompt_ids: list[int], steps: int = 16, path: str | Path | None = None
+) -> Path:
+    """``reference.json`` beside the checkpoint: the prompt's ids and the greedy continuation computed by
+    :func:`reference_forward` from the exported tensors — what ``deploy.sh`` compares the engine's greedy output
+    with, token for token (``{"tokens": {"prompt": [...], "greedy": [...]}}``). Stops at ``steps`` tokens."""
+    if not prompt_ids or steps < 1:
+        raise ConfigError(f"a reference needs a non-empty prompt and steps >= 1, got {len(prompt_ids)} ids, {steps}")
+    ids = list(prompt_ids)
+    for _ in range(steps):
+        ids.append(int(reference_forward(ckpt_dir, torch.tensor(ids))[-1].argmax()))
+    out = Path(path) if path is not None else Path(ckpt_dir) / "reference.json"
+    doc = {"tokens": {"prompt": list(prompt_ids), "greedy": ids[len(prompt_ids) :]}, "checkpoint": str(ckpt_dir)}
+    out.write_text(json.dumps(doc) + "\n")
+    return out
+
+
+def _prompt_ids(ckpt_dir: Path, text: str) -> list[int]:
+    """The prompt's ids: with the export's Hugging Face tokenizer when it has one, else the bytes (shipped model)."""
+    if (ckpt_dir / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer
+
+        return list(AutoTokenizer.from_pretrained(str(ckpt_dir))(text)["input_ids"])
+    vocab = json.loads((ckpt_dir / "config.json").read_text())["vocab_size"]
+    return [b % vocab for b in text.encode()]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memos_edge.export_trtllm", description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -429,9 +461,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--dtype", default="float16", choices=sorted(DTYPES))
     parser.add_argument("--kv-int8", action="store_true", help="INT8 KV cache with calibrated per-layer scales")
+    parser.add_argument(
+        "--reference-prompt",
+        help="also write reference.json: this prompt's greedy continuation from the exported tensors (for deploy.sh)",
+    )
+    parser.add_argument("--reference-steps", type=int, default=16)
     args = parser.parse_args(argv)
     out = convert(args.model, args.out, dtype=args.dtype, kv_int8=args.kv_int8)
     print(f"wrote {out / 'config.json'} and {out / 'rank0.safetensors'}")
+    if args.reference_prompt is not None:
+        ids = _prompt_ids(out, args.reference_prompt)
+        print(f"wrote {write_reference(out, ids, args.reference_steps)} ({len(ids)} prompt ids)")
     tokenizer = sorted(p.name for p in out.iterdir() if p.name in (*TOKENIZER_FILES, "tokenizer_config.json"))
     if tokenizer:
         print(f"tokenizer files: {', '.join(tokenizer)} (use --tokenizer_dir {out} with examples/run.py)")

@@ -32,7 +32,8 @@ def test_golden_commands_for_llama3_on_agx_orin():
     assert "--kv_cache_type" in latest and "--paged_kv_cache" not in latest
     assert " ".join(run_command(cfg, "tok", "hi")) == (
         "python3 examples/run.py --engine_dir engine --tokenizer_dir tok --max_output_len 128 "
-        "--kv_cache_free_gpu_memory_fraction 0.9 --kv_cache_enable_block_reuse --input_text hi --enable_chunked_context"
+        f"--kv_cache_free_gpu_memory_fraction 0.9 --max_tokens_in_paged_kv_cache {p.kv_tokens} "
+        "--kv_cache_enable_block_reuse --use_mmap --input_text hi --enable_chunked_context"
     )
     rt = runtime_config(cfg)
     assert (
@@ -51,10 +52,10 @@ def test_impossible_combinations_are_refused():
     BuildConfig(**base).check()
     for change, message in [
         ({"tokens_per_block": 48}, "power of two"),
-        ({"tokens_per_block": 256}, "power of two"),
+        ({"tokens_per_block": 0}, "power of two"),
         ({"max_seq_len": 512}, "below max_input_len"),
         ({"context_chunk": 100}, "not a multiple of tokens_per_block"),
-        ({"max_num_tokens": 512}, "enable chunked context"),
+        ({"max_num_tokens": 512}, "without chunked context"),
         ({"kv_dtype": "fp8"}, "sm_87"),
     ]:
         with pytest.raises(ConfigError, match=message):
@@ -62,7 +63,7 @@ def test_impossible_combinations_are_refused():
     p = plan("llama-2-7b", "orin-nx-16gb", weights="int4")
     with pytest.raises(ConfigError, match="does not fit"):
         make_config(p, "c", "e", batch=8, max_seq_len=4096)
-    with pytest.raises(ConfigError, match="leaves no room"):
+    with pytest.raises(ConfigError, match="does not fit orin-nano-8gb"):
         make_config(plan("llama-3-8b", "orin-nano-8gb", weights="fp16"), "c", "e")
     with pytest.raises(ConfigError, match="dialect"):
         build_command(BuildConfig(**base), "v0.9")

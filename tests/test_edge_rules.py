@@ -138,3 +138,71 @@ def test_read_rope_config_both_layouts_and_the_llama3_frequencies():
 def test_read_rope_config_refuses(cfg, match):
     with pytest.raises(ConfigError, match=match):
         read_rope_config(cfg)
+
+
+# ---------------------------------------------------------------------- build and run rules
+def _cfg(**change):
+    from memos_edge.build_config import BuildConfig
+
+    base = dict(
+        checkpoint_dir="c", engine_dir="e", dtype="float16", max_batch_size=1, max_input_len=1024, max_seq_len=2048,
+        max_num_tokens=2048, tokens_per_block=64, context_chunk=None, kv_cache_free_gpu_memory_fraction=0.9,
+        max_tokens_in_paged_kv_cache=10_000, kv_dtype="fp16",
+    )  # fmt: skip
+    return BuildConfig(**{**base, **change})
+
+
+def test_int8_kv_cannot_have_paged_context_fmha_reuse_or_chunking():
+    # tensorrt_llm/builder.py build(): with use_paged_context_fmha, has_int8_kv_cache() raises "Paged Context FMHA
+    # doesn't work with int8 kv cache currently." (gptAttentionCommon.cpp asserts the same); block reuse and chunked
+    # context need paged context FMHA. Before: build_command() always added --use_paged_context_fmha enable.
+    from memos_edge.build_config import build_command, run_command, variants
+
+    with pytest.raises(ConfigError, match="cannot use paged context FMHA"):
+        _cfg(kv_dtype="int8").check()  # the default variant is "reuse"
+    with pytest.raises(ConfigError, match="needs paged context FMHA"):
+        _cfg(kv_dtype="int8", variant="safe", context_chunk=512, max_num_tokens=600).check()
+    with pytest.raises(ConfigError, match="max_num_tokens 512 < max_input_len 1024"):
+        _cfg(kv_dtype="int8", variant="safe", max_num_tokens=512).check()  # no chunking: a whole prompt per step
+    safe = _cfg(kv_dtype="int8", variant="safe")
+    safe.check()
+    assert "--use_paged_context_fmha" not in build_command(safe)
+    run = run_command(safe, "tok", "hi")
+    assert "--kv_cache_enable_block_reuse" not in run and "--enable_chunked_context" not in run
+    assert [v.variant for v in variants(_cfg(kv_dtype="int8", variant="safe"))] == ["safe"]
+    assert [v.variant for v in variants(_cfg(context_chunk=512))] == ["reuse", "safe"]
+
+
+def test_plugin_dtype_follows_the_checkpoint(tmp_path):
+    # TensorRT-LLM builds the gemm and attention plugins in the dtype given (tensorrt_llm/plugin/plugin.py
+    # PluginConfig); a bf16 checkpoint with float16 plugins is a different engine. "auto" follows the checkpoint.
+    ckpt = {"dtype": "bfloat16", "quantization": {"kv_cache_quant_algo": None}}
+    with pytest.raises(ConfigError, match="pass --dtype bfloat16"):
+        _cfg(dtype="float16").check_checkpoint(ckpt)
+    _cfg(dtype="bfloat16").check_checkpoint(ckpt)
+    _cfg(dtype="auto").check_checkpoint(ckpt)
+    with pytest.raises(ConfigError, match="plugin dtype"):
+        _cfg(dtype="fp16").check()
+    with pytest.raises(ConfigError, match="kv_cache_quant_algo is INT8"):
+        _cfg(dtype="auto").check_checkpoint({"dtype": "float16", "quantization": {"kv_cache_quant_algo": "INT8"}})
+
+
+def test_tokens_per_block_any_power_of_two():
+    # TensorRT-LLM accepts any power of two; XQA is JIT for 16-128 and precompiled for 64/128 (the planner's range)
+    for t in (1, 16, 256):
+        _cfg(tokens_per_block=t).check()
+    with pytest.raises(ConfigError, match="power of two"):
+        _cfg(tokens_per_block=48).check()
+
+
+def test_the_plan_reaches_the_run(tmp_path):
+    # the KV budget is passed (examples/utils.py add_common_args: --max_tokens_in_paged_kv_cache) and the weights
+    # are mmapped (README4Jetson: run.py ... --use_mmap); an infeasible plan gives no configuration
+    from memos_edge.build_config import make_config, run_command
+    from memos_edge.plan import plan
+
+    p = plan("llama-3-8b", "orin-agx-64gb", weights="int4")
+    run = run_command(make_config(p, "c", "e", batch=1, max_seq_len=4096, max_input_len=2048), "tok", "hi")
+    assert run[run.index("--max_tokens_in_paged_kv_cache") + 1] == str(p.kv_tokens) and "--use_mmap" in run
+    with pytest.raises(ConfigError, match="does not fit"):
+        make_config(plan("qwen2.5-7b", "orin-nx-8gb", weights="int4"), "c", "e")
