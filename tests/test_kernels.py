@@ -281,7 +281,7 @@ def test_every_kernel_compiles_for_a_real_gpu_without_spills(capability):
     """The interpreter skips some compiler rules and says nothing of resources: compile each kernel ahead of time
     for Jetson Orin (sm_87) and Hopper (sm_90) with Triton's own compiler and ptxas (no GPU needed), with the
     run-time specializations, and fail on any spill in the decode and write kernels (issue 18 item 4).
-    MEMOS_REF_FULL_KERNELS=1 compiles the whole fp16/bf16 x GQA 1/4/8 x block 16/32/64 x head dim 64/128 matrix."""
+    MEMOS_REF_FULL_AOT=1 compiles the whole fp16/bf16 x GQA 1/4/8 x block 16/32/64 x head dim 64/128 matrix."""
     import json
     import subprocess
     import sys
@@ -293,7 +293,7 @@ def test_every_kernel_compiles_for_a_real_gpu_without_spills(capability):
     except Exception as exc:  # pragma: no cover - depends on the Triton wheel
         pytest.skip(f"Triton's NVIDIA backend or its ptxas is unavailable here: {exc}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [str(capability)] + (["--full"] if os.environ.get("MEMOS_REF_FULL_KERNELS") == "1" else [])
+    args = [str(capability)] + (["--full"] if os.environ.get("MEMOS_REF_FULL_AOT") == "1" else [])
     done = subprocess.run(
         [sys.executable, "-m", "memos_kernels.aot_check", *args], capture_output=True, text=True, env=env,
         timeout=900,
@@ -371,3 +371,23 @@ def test_kivi_decode_reads_packed_blocks_and_the_residual(bits, group, residual)
         blocks = kv.pool.read_blocks(torch.arange(24, device=DEVICE), layer)
         want = paged_attention(q[:, :, None], blocks[:, 0], blocks[:, 1], tables, lens)[:, :, 0]
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the script runs the whole device check itself")
+def test_gpu_check_script_without_a_gpu(tmp_path):
+    """``scripts/gpu_check.sh`` (issue 18 item 7) in its no-GPU mode: exit 0 and one JSON line saying
+    ``"gpu": false`` and why, with the versions it found — it runs with any Python given as PYTHON."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_OUT": str(tmp_path)}
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1, done.stdout
+    report = json.loads(lines[0])
+    assert report["gpu"] is False and "no CUDA device" in report["skipped"]
+    assert report["torch"] == torch.__version__ and report["logs"] == str(tmp_path)
