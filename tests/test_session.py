@@ -30,7 +30,7 @@ def _solo(manager, token_ids, n):
 
 
 def _reply(manager, session, n):
-    marker = manager._encode(SegmentKind.ASSISTANT, "")
+    marker = manager.encode_segment(SegmentKind.ASSISTANT, "")
     return _solo(manager, session.token_ids + marker, n)
 
 
@@ -182,7 +182,7 @@ def test_failures_leave_the_session_as_it_was_and_closed_sessions_refuse(shipped
     assert (session.token_ids, session.cache.get_seq_length()) == before
     small.kv.check()
     reply = session.generate(8)  # still usable, and right
-    assert reply == _solo(small, before[0] + small._encode(SegmentKind.ASSISTANT, ""), 8)
+    assert reply == _solo(small, before[0] + small.encode_segment(SegmentKind.ASSISTANT, ""), 8)
     with pytest.raises(OutOfBlocksError):
         small.new_session(system=("agent", "v1")).compact("y" * 200)
     small.kv.check()

@@ -18,6 +18,7 @@ from memos_ref.session import SegmentKind, SessionManager
 from memos_ref.spec import KVSpec
 from memos_ref.tiering.backends import DiskBackend, HostMemoryBackend, RedisTierBackend
 from memos_ref.tiering.codecs import get_codec
+from memos_ref.tiering.costs import CostModel
 from memos_ref.tiering.manager import TierManager
 from memos_ref.tiering.store import Tier, TierStore
 
@@ -106,16 +107,19 @@ def test_reload_or_recompute_by_measured_costs():
     tm.high = 0.1
     tm.step()
     assert tm.counts["swap_out_blocks"] == 4  # 5 cached blocks, down to floor(0.05 · 20) = 1
-    tm._recompute_fit = (0.0, 1e-6, 0.0)  # 1 µs per token to recompute ...
-    tm._block_seconds["host"] = 1.0  # ... and 1 s per block to reload: recompute wins
+    # 1 µs per token to recompute, 1 s per block to reload: recompute wins
+    tm.costs = CostModel(recompute_fit=(0.0, 1e-6, 0.0), block_seconds={"host": 1.0})
     assert kv.start_from_prefix(ids).num_tokens == 0 and tm.counts["decided_recompute"] == 1
     assert tm.break_even_tokens("host") is None
-    tm._block_seconds["host"] = 1e-9
+    tm.costs = CostModel(recompute_fit=(0.0, 1e-6, 0.0), block_seconds={"host": 1e-9})
     assert tm.break_even_tokens("host") == 8  # one block: 1 ns against 8 µs
-    tm._recompute_fit = (0.0, 1e-9, 0.0)
-    tm._block_seconds["host"] = 1e-6  # fixed per-block cost 1 µs; recompute 1 ns/token: never worth reloading
+    tm.costs = CostModel(
+        recompute_fit=(0.0, 1e-9, 0.0), block_seconds={"host": 1e-6}
+    )  # fixed per-block cost 1 µs; recompute 1 ns/token: never worth reloading
     assert tm.break_even_tokens("host", max_tokens=4096) is None
-    tm._recompute_fit = (0.0, 1e-9, 1e-10)  # attention makes long prefills quadratic: reloading wins eventually
+    tm.costs = CostModel(
+        recompute_fit=(0.0, 1e-9, 1e-10), block_seconds={"host": 1e-6}
+    )  # attention makes long prefills quadratic: reloading wins eventually
     n = tm.break_even_tokens("host")
     t = SPEC.block_size
     oracle = next(m for m in range(t, 1 << 17, t) if (m // t) * 1e-6 < 0.0 + 1e-9 * m + 1e-10 * m * m)
@@ -391,3 +395,113 @@ def test_a_failed_disk_rewrite_keeps_the_books(tmp_path):
         assert disk.nbytes == 400 and disk.get("abc") == b"x" * 400  # the old copy is still there and counted
     finally:
         folder.chmod(0o700)
+
+
+def _count_hashing(monkeypatch):
+    """Count ``PrefixCache.hashes`` calls (each hashes a run of blocks) by the module that made them."""
+    import sys
+    from collections import Counter
+
+    from memos_ref.paged.prefix import PrefixCache
+
+    callers: Counter[str] = Counter()
+    real = PrefixCache.hashes
+
+    def counting(self, *args, **kwargs):
+        callers[sys._getframe(1).f_globals["__name__"]] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(PrefixCache, "hashes", counting)
+    return callers
+
+
+def test_swap_in_hashes_nothing_the_device_lookup_hashed(monkeypatch):
+    """issue 15: a prompt was hashed again by the swap-in after the device lookup; now the lookup's chain is
+    carried (PrefixHit.chain) and extend_prefix hashes no block."""
+    kv, _store, tm, clock = make(min_residency_s=0)
+    ids = list(range(500, 548))  # 6 full blocks
+    seq, _ = write_sequence(kv, ids)
+    seq.free()
+    tm.low, tm.high = 0.05, 0.1
+    clock.now += 1
+    tm.step()  # most of them go to the host tier
+    assert tm.counts["swap_out_blocks"] >= 4
+    prompt = [*ids, 7]
+    hit = kv.prefix_cache.lookup(prompt)
+    callers = _count_hashing(monkeypatch)
+    more = tm.extend_prefix(prompt, None, hit)
+    assert sum(callers.values()) == 0 and len(hit) + len(more) == 6 and tm.counts["swap_in_blocks"] >= 4
+    kv.allocator.free_many([*hit, *more])
+
+
+def test_a_session_prefill_with_tiering_hashes_its_prompt_in_the_lookup_only(shipped_pair, monkeypatch):
+    """issue 15: with tiering a session's prompt was hashed by the lookup, again by the swap-in and again to
+    label its blocks; the labels now come from the hashes its blocks are indexed under."""
+    model, _ = shipped_pair
+    manager = SessionManager(model, num_blocks=64, fingerprint=FP)
+    manager.enable_tiering(
+        TierStore([Tier(HostMemoryBackend(1 << 24))], spec=manager.spec, fingerprint=FP), clock=FakeClock()
+    )
+    manager.register_system_prompt("a", "v1", "You are a careful agent. " * 8)
+    callers = _count_hashing(monkeypatch)
+    session = manager.new_session(system=("a", "v1"))
+    assert callers["memos_ref.paged.prefix"] == 1  # the device lookup's
+    assert not [m for m in callers if m.startswith(("memos_ref.session", "memos_ref.tiering"))], callers
+    kinds = manager.tiering.kinds
+    table = session.cache.sequences[0].block_table
+    labelled = [kinds[manager.kv.allocator.hash_of(b)] for b in table[: len(session.token_ids) // 16]]
+    assert len(labelled) >= 3 and set(labelled) == {"system"}
+
+
+def test_pressure_relief_is_a_protocol_declared_in_tiering(shipped_pair):
+    """issue 15: tiering called up into sessions through an on_pressure callback the session layer rewrote, and
+    the session layer chose whom to suspend; now the session manager registers itself as a PressureRelief
+    (declared in tiering) listing its sessions, and tiering's policy picks the least recently active idle ones."""
+    from memos_ref.errors import ArgumentTypeError
+    from memos_ref.tiering.manager import PressureRelief
+
+    kv, _store, tm, clock = make(min_residency_s=5)
+    with pytest.raises(ArgumentTypeError, match="suspendable"):
+        tm.set_relief(lambda n: n)
+    assert tm.relief is None
+
+    class Holder:
+        def __init__(self, last_active: float, blocks: int):
+            self.last_active, self.blocks, self.suspended = last_active, blocks, False
+
+        def suspend(self, blocking: bool = True) -> int:
+            self.suspended = True
+            return self.blocks
+
+    holders = [Holder(clock.now - 10, 9), Holder(clock.now - 20, 9), Holder(clock.now - 1, 9)]
+
+    class Relief:
+        def suspendable(self):
+            return list(holders)
+
+    tm.set_relief(Relief())
+    held = kv.start_from_prefix(list(range(8 * 19)))  # 19 active blocks of 20: nothing cached to swap out
+    held.reserve(8 * 19 - held.num_tokens)
+    report = tm.step()
+    # 19 held, target floor(0.6 * 20) = 12: 7 wanted; the oldest idle holder is enough, the recent one is spared
+    assert [h.suspended for h in holders] == [False, True, False] and report["suspended_blocks"] == 9
+    assert tm.counts["pressure_calls"] == 1
+    model, _ = shipped_pair
+    manager = SessionManager(model, num_blocks=32, fingerprint=FP)
+    tiering = manager.enable_tiering(TierStore([Tier(HostMemoryBackend(1 << 24))], spec=manager.spec, fingerprint=FP))
+    session = manager.new_session()
+    assert tiering.relief is manager and isinstance(manager, PressureRelief)
+    assert manager.suspendable() == [session]
+
+
+def test_cost_model_has_a_public_constructor_that_checks_its_figures():
+    from memos_ref.errors import ArgumentTypeError, InvalidArgumentError
+
+    costs = CostModel(recompute_fit=(0.0, 1e-6, 0.0), block_seconds={"host": 1e-3})
+    assert costs.recompute_seconds(0, 100) == pytest.approx(1e-4)
+    with pytest.raises(InvalidArgumentError, match="a, b, c"):
+        CostModel(recompute_fit=(1.0, 2.0))
+    with pytest.raises(InvalidArgumentError, match="finite"):
+        CostModel(block_seconds={"host": float("nan")})
+    with pytest.raises(ArgumentTypeError):
+        CostModel(recompute_fit="fast")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from memos_ref.errors import ConfigError
+from memos_ref.session import SessionLayout
 from memos_ref.tiering.policies import BlockHistory, priority_function
 from memos_ref.tiering.simulate import MarkovPredictor, Request, requests_from_trace, simulate
 from memos_ref.traces import make_trace
@@ -71,7 +72,7 @@ def test_markov_predictor():
 
 def test_requests_from_trace_follow_the_sessions():
     events = make_trace("tool_heavy", scale=0.3)
-    reqs = requests_from_trace(events)
+    reqs = requests_from_trace(events, layout=SessionLayout())
     assert len(reqs) == sum(e.kind in ("user", "tool_result", "generate") for e in events)
     first = reqs[0]
     assert first.kinds[0] == "system" and len(first.kinds) == len(first.token_ids) // 16

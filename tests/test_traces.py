@@ -59,3 +59,46 @@ def test_replay_through_sessions_keeps_invariants(name, shipped_pair):
     manager.kv.check()
     if name != "multi_agent":  # sessions opened later reuse the system prompt's cached blocks
         assert result["prefix_hit_tokens"] > 0
+
+
+def test_simulated_session_block_hashes_equal_a_real_session_s(shipped_pair):
+    """The tiering simulator lays a trace's sessions out as real sessions do (one layout,
+    memos_ref.session.segments): same tokens, so the same block hashes as a SessionManager's prefix cache."""
+    from memos_ref.tiering.simulate import requests_from_trace
+    from memos_ref.traces import SYSTEM_PROMPTS
+
+    ours, _ = shipped_pair
+    manager = SessionManager(ours, num_blocks=256)
+    for (name, version), text in SYSTEM_PROMPTS.items():
+        manager.register_system_prompt(name, version, text)
+    tools = ("read_file(path) -> str", "grep(path) -> str")
+    events = [
+        TraceEvent(0.0, "a", "open", system="tool_user@v1", tools=tools),
+        TraceEvent(1.0, "a", "user", "Find the parser and list its tests.\n"),
+        TraceEvent(2.0, "b", "fork", parent="a"),
+        TraceEvent(3.0, "b", "tool_result", "tests/test_parse.py: 12 tests, all green.\n" * 2),
+        TraceEvent(4.0, "a", "compact", "Summary: the parser has twelve tests.\n"),
+        TraceEvent(5.0, "a", "user", "Now add one for empty input, please.\n"),
+    ]
+    requests = requests_from_trace(events, fingerprint=manager.fingerprint)
+    sessions = {}
+    for e in events:  # the same events through real sessions (traces.replay, without closing them)
+        if e.kind == "open":
+            name, version = e.system.split("@", 1)
+            sessions[e.session] = manager.new_session(system=(name, version), tools=list(e.tools))
+        elif e.kind == "fork":
+            (sessions[e.session],) = sessions[e.parent].fork(1)
+        elif e.kind in ("user", "tool_result"):
+            sessions[e.session].append(e.kind, f"{e.kind}@{e.t:.3f}", e.text)
+        elif e.kind == "compact":
+            sessions[e.session].compact(e.text)
+    t = manager.spec.block_size
+    for key, session in sessions.items():
+        last = [r for r in requests if r.session == key][-1]
+        assert last.token_ids == session.token_ids
+        table = session.cache.sequences[0].block_table
+        real = [manager.kv.allocator.hash_of(b) for b in table[: len(session.token_ids) // t]]
+        assert last.hashes == real and all(h is not None for h in real) and len(real) >= 4
+        # and the labels the priority policy ranks by are the session's own
+        labels = [x["kind"] for x in session.segments() if x["kind"] in ("system", "tools")]
+        assert labels == ["system", "tools"] and last.kinds[0] == "system"

@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from memos_ref.bench.common import envelope, format_table
+from memos_ref.session import SessionLayout
 from memos_ref.tiering.backends import DiskBackend, HostMemoryBackend, RedisTierBackend
 from memos_ref.tiering.codecs import CODECS, get_codec
 from memos_ref.tiering.manager import TierManager
@@ -99,7 +100,8 @@ def codec_table(spec: Any, blocks: list[torch.Tensor], quick: bool) -> list[dict
 def _policies(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     rows, prefetch_rows = [], []
     for trace in ("chat", "multi_agent", "tool_heavy"):
-        reqs = requests_from_trace(interleaved_trace(trace, copies=2 if quick else 4))
+        # the sessions' own token layout (BOS, marker + bytes per segment): the hashes real sessions would have
+        reqs = requests_from_trace(interleaved_trace(trace, copies=2 if quick else 4), layout=SessionLayout())
         largest = max(len(r.token_ids) // 16 for r in reqs)  # the device must hold one whole prompt
         for factor in (1.0, 1.5, 2.0, 3.0):
             cap = int(largest * factor)

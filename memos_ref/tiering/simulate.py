@@ -8,8 +8,10 @@ every block after it are recomputed. New blocks enter the device; when it is ful
 which moves down to the tier (unbounded here, so the policies are compared on what they keep close). Without a
 tier (``tier=False``) a victim is simply lost.
 
-Token contents are synthetic but deterministic (bytes of the trace's text; generated replies are pseudo-tokens
-seeded by the session and event), so every figure is exact and repeatable.
+Token contents are the sessions' own (:class:`~memos_ref.session.SessionLayout`: BOS, then per segment a marker
+and the text's bytes, as a real :class:`~memos_ref.session.SessionManager` session on the shipped model holds
+them, so the block hashes match); generated replies are pseudo-tokens from a seeded generator, so every figure is
+exact and repeatable.
 
 Prefetch (seed 001 §3.1): a first-order Markov model of which session follows which, over the last ``window``
 transitions of each session; when the most likely next session's probability reaches ``threshold``, up to
@@ -20,17 +22,26 @@ and how many were fetched for nothing (evicted or never used).
 
 from __future__ import annotations
 
-import random
-from collections import Counter, defaultdict, deque
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
-from memos_ref.errors import check_index, check_type
+from memos_ref.errors import ArgumentTypeError, ConfigError, check_index, check_type
 from memos_ref.paged.prefix import block_hashes
 from memos_ref.tiering.policies import BlockHistory, priority_function
-from memos_ref.traces import SYSTEM_PROMPTS, TraceEvent, make_trace
+from memos_ref.tiering.prefetch import MarkovPredictor
+from memos_ref.traces import TraceEvent, make_trace
 
-__all__ = ["MarkovPredictor", "Request", "interleaved_trace", "requests_from_trace", "simulate"]
+__all__ = [
+    "MarkovPredictor",
+    "Request",
+    "TraceLayout",
+    "interleaved_trace",
+    "requests_from_trace",
+    "set_default_layout",
+    "simulate",
+]
 
 
 @dataclass
@@ -39,6 +50,7 @@ class Request:
     session: str
     token_ids: list[int]
     kinds: list[str] = field(default_factory=list)  # per full block: system, tools, turn
+    hashes: list[bytes] = field(default_factory=list)  # per full block, when known (hashed once)
 
 
 def interleaved_trace(name: str, copies: int = 4, scale: float = 1.0) -> list[TraceEvent]:
@@ -56,69 +68,52 @@ def interleaved_trace(name: str, copies: int = 4, scale: float = 1.0) -> list[Tr
     return sorted(events, key=lambda e: e.t)
 
 
-def _encode(text: str) -> list[int]:
-    return list(text.encode())
+class TraceLayout(Protocol):
+    """What turns a trace into prompts: the session layer's :class:`~memos_ref.session.SessionLayout` (declared
+    here, below it, so the simulator never imports sessions)."""
+
+    def trace_prompts(
+        self, events: Sequence[TraceEvent], seed: int = 0, block_size: int = 16
+    ) -> Iterable[tuple[float, str, list[int], list[str]]]: ...
 
 
-def requests_from_trace(events: list[TraceEvent], seed: int = 0, block_size: int = 16) -> list[Request]:
-    """The model-running requests of a trace, each with its session's whole token sequence so far."""
+_default_layout: TraceLayout | None = None
+
+
+def set_default_layout(layout: TraceLayout) -> None:
+    """The layout :func:`requests_from_trace` uses when given none (``memos_ref.session`` sets its own on import)."""
+    global _default_layout
+    if not callable(getattr(layout, "trace_prompts", None)):
+        raise ArgumentTypeError(f"layout: expected an object with trace_prompts(), got {type(layout).__name__}")
+    _default_layout = layout
+
+
+def requests_from_trace(
+    events: list[TraceEvent],
+    seed: int = 0,
+    block_size: int = 16,
+    *,
+    layout: TraceLayout | None = None,
+    fingerprint: str = "",
+) -> list[Request]:
+    """The model-running requests of a trace, each with its session's whole token sequence so far, laid out as
+    real sessions lay them out (``layout``: default the session layer's), its per-block labels and its block
+    hashes (computed once, here, with ``fingerprint``: a real session's prefix cache keys the same blocks the
+    same way)."""
     check_type("events", events, list)
     check_type("seed", seed, int)
     block_size = check_index("block_size", block_size, lo=1)
-    rng = random.Random(seed)
-    tokens: dict[str, list[int]] = {}
-    prefix_len: dict[str, tuple[int, int]] = {}  # system end, tools end
-    out: list[Request] = []
-    for e in events:
-        if e.kind == "open":
-            name, version = e.system.split("@", 1)
-            system = [1, *_encode(SYSTEM_PROMPTS[(name, version)])]
-            tools = _encode("\n".join(sorted(e.tools))) if e.tools else []
-            tokens[e.session] = system + tools
-            prefix_len[e.session] = (len(system), len(system) + len(tools))
-        elif e.kind == "fork":
-            tokens[e.session] = list(tokens[e.parent])
-            prefix_len[e.session] = prefix_len[e.parent]
-        elif e.kind in ("user", "tool_result"):
-            tokens[e.session] += _encode(e.text)
-            out.append(Request(e.t, e.session, list(tokens[e.session])))
-        elif e.kind == "generate":
-            out.append(Request(e.t, e.session, list(tokens[e.session])))
-            tokens[e.session] += [rng.randrange(256) for _ in range(e.max_new_tokens)]
-        elif e.kind == "compact":
-            keep = prefix_len[e.session][1]
-            tokens[e.session] = tokens[e.session][:keep] + _encode(e.text)
-        elif e.kind == "close":
-            tokens.pop(e.session, None)
-    for r in out:
-        sys_end, tools_end = prefix_len.get(r.session, (0, 0))
-        r.kinds = []
-        for i in range(len(r.token_ids) // block_size):
-            last = (i + 1) * block_size - 1
-            r.kinds.append("system" if last < sys_end else "tools" if last < tools_end else "turn")
+    check_type("fingerprint", fingerprint, str)
+    if layout is None:
+        if _default_layout is None:
+            import_hint = "import memos_ref.session (it registers the sessions' layout) or pass layout="
+            raise ConfigError(f"no session layout to replay the trace with: {import_hint}")
+        layout = _default_layout
+    out = []
+    for t, session, token_ids, kinds in layout.trace_prompts(events, seed, block_size):
+        hashes = block_hashes(token_ids, block_size, fingerprint=fingerprint)
+        out.append(Request(t, session, token_ids, kinds, hashes))
     return out
-
-
-class MarkovPredictor:
-    """Which session comes next: transition counts over the last ``window`` transitions out of each session."""
-
-    def __init__(self, window: int = 5, threshold: float = 0.6) -> None:
-        self.window, self.threshold = window, threshold
-        self.transitions: dict[str, deque[str]] = defaultdict(lambda: deque(maxlen=window))
-        self.last: str | None = None
-
-    def observe(self, session: str) -> None:
-        if self.last is not None and self.last != session:
-            self.transitions[self.last].append(session)
-        self.last = session
-
-    def predict(self, session: str) -> str | None:
-        """The likely next session after ``session``, if its probability reaches the threshold."""
-        seen = self.transitions.get(session)
-        if not seen:
-            return None
-        nxt, count = Counter(seen).most_common(1)[0]
-        return nxt if count / len(seen) >= self.threshold else None
 
 
 def simulate(
@@ -168,7 +163,9 @@ def simulate(
 
     for r in requests:
         now = r.t
-        hashes = block_hashes(r.token_ids[: (len(r.token_ids) // block_size) * block_size], block_size)
+        hashes = r.hashes
+        if len(hashes) != len(r.token_ids) // block_size:  # not hashed yet, or for another block size
+            hashes = block_hashes(r.token_ids, block_size)
         for h, kind in zip(hashes, r.kinds):
             kinds.setdefault(h, kind)
         protect: set[bytes] = set()
