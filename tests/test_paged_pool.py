@@ -129,3 +129,20 @@ def test_paged_kv_refuses_a_pool_with_sizing_or_another_spec():
         PagedKV(SPEC, pool=object())  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="quant"):
         PagedKV(SPEC, 4, residual_tokens=16)
+
+
+def test_paged_kv_asks_the_quant_scheme_for_its_pool():
+    """PagedKV(quant=...) builds no quantized pool itself (paged imports nothing from quant): it calls the
+    scheme's build_pool with the sizing, so any PoolBuilder works."""
+    from memos_ref.paged import PagedKV
+
+    calls = []
+
+    class Builder:
+        def build_pool(self, spec, num_blocks, **kw):
+            calls.append((num_blocks, kw))
+            return BlockPool(spec, num_blocks)
+
+    kv = PagedKV(SPEC, 5, quant=Builder(), residual_tokens=8)
+    assert isinstance(kv.pool, BlockPool) and kv.allocator.num_blocks == 5
+    assert calls == [(5, {"residual_tokens": 8, "staging_blocks": None, "layer_scales": None, "device": "cpu"})]

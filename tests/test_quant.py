@@ -333,3 +333,101 @@ def test_copy_on_write_with_a_full_staging_slab_leaks_nothing():
     seq.free()
     kv.check()
     assert kv.allocator.num_free == 16
+
+
+# ---------------------------------------------------------------------- issue 15 item 4: one codec per scheme
+CODEC_CASES = [
+    (Float16(), {}, "Float16Codec"),
+    (PerTokenInt8(), {}, "PerTokenInt8Codec"),
+    (PerTensorInt8(0.05), {}, "PerTensorInt8Codec"),
+    (FP8E4M3(), {}, "FP8Codec"),
+    (KIVI(4, 32), {}, "KIVICodec"),
+]
+
+
+@pytest.mark.parametrize(("scheme", "kw", "codec"), CODEC_CASES, ids=lambda c: getattr(c, "name", ""))
+def test_each_scheme_owns_its_block_codec_in_its_own_module(scheme, kw, codec):
+    """The pool dispatches through the scheme's codec, which lives in the scheme's own module (no isinstance
+    ladder over the schemes in the pool)."""
+    kv = PagedKV(SPEC, 4, quant=scheme, prefix_caching=False, **kw)
+    assert type(kv.pool.codec).__name__ == codec
+    assert type(kv.pool.codec).__module__ == type(scheme).__module__ != "memos_ref.quant.schemes"
+    assert kv.pool.codec.bytes_per_block() == kv.pool.block_payload_bytes
+    import ast
+    import inspect
+
+    import memos_ref.quant.pool as qpool
+
+    names = {"Float16", "PerTokenInt8", "PerTensorInt8", "FP8E4M3", "KIVI"}
+    ladders = [
+        node
+        for node in ast.walk(ast.parse(inspect.getsource(qpool)))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", "") == "isinstance"
+        and names & {getattr(n, "id", "") for n in ast.walk(node.args[1])}
+    ]
+    assert not ladders
+
+
+def test_the_fp8_scale_law_is_one_function():
+    """One fp8 scale law (fp8_scale = the quantizer's); streamed blocks grow to it rounded up to a power of two,
+    sealed blocks and FP8E4M3 take it as is."""
+    from memos_ref.quant import FP8_MAX, fp8_block_scale, fp8_scale
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 32, 32, generator=g) * torch.tensor([3.0, 1e-3])[:, None, None]
+    amax = x.abs().amax(dim=(-1, -2))
+    assert torch.equal(FP8E4M3.needed_scale(x), fp8_scale(amax))
+    assert torch.equal(FP8E4M3().quantize(x).scale, fp8_scale(amax))
+    pow2 = fp8_block_scale(amax)
+    assert bool((torch.log2(pow2) % 1 == 0).all()) and bool((pow2 >= fp8_scale(amax)).all())
+    assert bool((amax / pow2 <= FP8_MAX).all())
+    # the pool: a streamed block holding one token has the block scale of that token; a sealed one the law's
+    tok = x[:, :1].transpose(0, 1)  # [1, H, D]
+    streamed = PagedKV(SPEC, 4, quant=FP8E4M3(), prefix_caching=False)
+    s = streamed.new_sequence()
+    for layer in range(2):
+        s.append(layer, tok.transpose(0, 1), tok.transpose(0, 1))
+    assert torch.equal(streamed.pool.payload["scale"][s.block_table[0], 0, 0], fp8_block_scale(tok.abs().amax(-1))[0])
+    sealed = PagedKV(SPEC, 4, quant=FP8E4M3(), residual_tokens=1, staging_blocks=4, prefix_caching=False)
+    s = sealed.new_sequence()
+    for layer in range(2):
+        s.append(layer, x, x)  # a full block, then sealed once the window moves past it
+    for layer in range(2):
+        s.append(layer, x[:, :1], x[:, :1])
+    assert int(sealed.pool.staging_slot[s.block_table[0]]) < 0
+    assert torch.equal(sealed.pool.payload["scale"][s.block_table[0], 0, 0], fp8_scale(amax))
+
+
+@pytest.mark.parametrize("scheme", [FP8E4M3(), PerTokenInt8()], ids=lambda s: s.name)
+def test_codec_kernel_args_are_what_the_write_kernel_fills(scheme):
+    """kernel_args maps the pool's payload to memos_kernels' write arguments: the kernel's reference write into
+    those views stores what the pool's own streaming write stored (fp8 byte for byte; int8 up to the kernel's
+    round-half-up ties)."""
+    write_kv = pytest.importorskip("memos_kernels.write_kv")
+    g = torch.Generator().manual_seed(1)
+    key, value = torch.randn(40, 2, 32, generator=g) * 4, torch.randn(40, 2, 32, generator=g)
+    slots = torch.arange(40)
+    ref = PagedKV(SPEC, 4, quant=scheme, prefix_caching=False).pool
+    mine = PagedKV(SPEC, 4, quant=type(scheme)(), prefix_caching=False).pool
+    ref.write(1, slots, key, value)
+    args = mine.kernel_args(1)
+    if isinstance(scheme, FP8E4M3):
+        mine.payload["scale"].copy_(ref.payload["scale"])  # the scales are grown by the pool, not the kernel
+        write_kv.write_kv_fp8_reference(key, value, slots, **args)
+        assert torch.equal(mine.payload["codes"], ref.payload["codes"])
+    else:
+        write_kv.write_kv_int8_reference(key, value, slots, **args)
+        assert torch.equal(mine.payload["scale"], ref.payload["scale"])
+        assert int((mine.payload["codes"].int() - ref.payload["codes"].int()).abs().max()) <= 1
+    k, v = mine.gather(1, torch.tensor([0, 1]), 40)
+    rk, rv = ref.gather(1, torch.tensor([0, 1]), 40)
+    assert torch.allclose(k, rk, atol=0.05) and torch.allclose(v, rv, atol=0.05)
+
+
+def test_accuracy_harness_lives_above_the_quant_layer():
+    """The accuracy harness runs models through hf, so it moved to bench (quant imports nothing above it)."""
+    import importlib.util
+
+    assert importlib.util.find_spec("memos_ref.quant.accuracy") is None
+    assert importlib.util.find_spec("memos_ref.bench.accuracy") is not None

@@ -12,10 +12,7 @@ import math
 import pytest
 import torch
 
-from memos_ref.errors import InvalidArgumentError, ShapeError
-from memos_ref.hf import PagedCache
-from memos_ref.quant import KIVI, PerTokenInt8
-from memos_ref.quant.accuracy import (
+from memos_ref.bench.accuracy import (
     capture_kv,
     channel_outlier_ratio,
     evaluate,
@@ -24,6 +21,9 @@ from memos_ref.quant.accuracy import (
     prose_token_ids,
     teacher_forced_logits,
 )
+from memos_ref.errors import InvalidArgumentError, ShapeError
+from memos_ref.hf import PagedCache
+from memos_ref.quant import KIVI, PerTokenInt8
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = "What is the capital of France? Answer in one sentence."

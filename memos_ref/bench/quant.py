@@ -1,6 +1,6 @@
 """``bench quant``: accuracy and memory of every KV quantization scheme, and their codec throughput.
 
-Accuracy (:mod:`memos_ref.quant.accuracy`) on the shipped model over the held-out corpus (stdlib code it never
+Accuracy (:mod:`memos_ref.bench.accuracy`) on the shipped model over the held-out corpus (stdlib code it never
 saw) at a context of 1,024 tokens: perplexity, mean KL divergence of next-token distributions against the
 fp32 cache, greedy agreement over 256 generated tokens, and bytes per token (against fp16). KL again on a
 random-init wider Llama (8 layers, 8 KV heads × 64 dims), whose K/V have no trained structure. Throughput:
@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from memos_ref.bench.accuracy import PROSE_FILE, calibrate_layer_scales, evaluate, prose_token_ids
 from memos_ref.bench.common import envelope, format_table, time_calls_ms
 from memos_ref.errors import ConfigError
 from memos_ref.quant import FP8E4M3, KIVI, Float16, PerTensorInt8, PerTokenInt8
-from memos_ref.quant.accuracy import PROSE_FILE, calibrate_layer_scales, evaluate, prose_token_ids
 
 __all__ = ["human", "plot", "pretrained_schemes", "run", "run_pretrained", "schemes"]
 
@@ -104,7 +104,7 @@ PRETRAINED_QUICK_SCHEMES = ("int8_token", "kivi2_g32_no_residual")
 def _measure(
     model: Any, ids: torch.Tensor, compared: list, opts: dict[str, int], bar: Any
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The fp32 reference and one :func:`~memos_ref.quant.accuracy.evaluate` result per compared scheme."""
+    """The fp32 reference and one :func:`~memos_ref.bench.accuracy.evaluate` result per compared scheme."""
     reference = evaluate(model, ids, None, **opts)
     bar.update()
     results = []

@@ -1,7 +1,11 @@
 """QuantizedBlockPool: the paged pool with quantized blocks — same block ids, block tables, refcounts, sharing
 and copy-on-write as :class:`~memos_ref.paged.pool.BlockPool`; only what a block *holds* changes.
 
-Storage, preallocated per scheme (``N`` blocks, ``L`` layers, ``H`` KV heads, ``T`` tokens, ``D`` dims):
+The pool is the staging slab, the window bookkeeping and dispatch: what a sealed block holds, and how it is
+encoded and decoded, belongs to the scheme's :class:`~memos_ref.quant.base.BlockCodec` (one file per scheme:
+:mod:`~memos_ref.quant.fp16`, :mod:`~memos_ref.quant.int8_token`, :mod:`~memos_ref.quant.int8_tensor`,
+:mod:`~memos_ref.quant.fp8`, :mod:`~memos_ref.quant.kivi`). Storage, preallocated per scheme (``N`` blocks,
+``L`` layers, ``H`` KV heads, ``T`` tokens, ``D`` dims):
 
 * fp16: ``[N, L, 2, H, T, D]`` float16 (for an fp32 model);
 * int8 per token: codes int8 ``[N, L, 2, H, T, D]`` + fp16 scales ``[N, L, 2, H, T]``;
@@ -38,23 +42,12 @@ import torch
 from memos_ref.errors import (
     ConfigError,
     InvalidArgumentError,
-    ShapeError,
     StagingFullError,
     check_type,
 )
 from memos_ref.paged.allocator import CACHED, EVICTED, FREED, BlockEvent
 from memos_ref.paged.pool import check_block_id, check_block_table, check_kv, check_layer, check_slots
-from memos_ref.quant.schemes import (
-    FP8_MAX,
-    FP8E4M3,
-    KIVI,
-    Float16,
-    PerTensorInt8,
-    PerTokenInt8,
-    QTensor,
-    Quantizer,
-    fitting_scale,
-)
+from memos_ref.quant.base import BlockCodec, Quantizer
 from memos_ref.spec import KVSpec
 
 __all__ = ["QuantizedBlockPool"]
@@ -92,37 +85,26 @@ class QuantizedBlockPool:
         check_type("num_blocks", num_blocks, int)
         if num_blocks <= 0:
             raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if not isinstance(scheme, (Float16, PerTokenInt8, PerTensorInt8, FP8E4M3, KIVI)):
+        if not isinstance(scheme, Quantizer):
             raise ConfigError(
                 f"unsupported scheme {scheme!r}: expected Float16, PerTokenInt8, PerTensorInt8, FP8E4M3 or KIVI"
             )
         check_type("residual_tokens", residual_tokens, (int, type(None)))
         check_type("staging_blocks", staging_blocks, (int, type(None)))
         check_type("layer_scales", layer_scales, (torch.Tensor, type(None)))
+        self.device = torch.device(device)
+        # the scheme's block layout, encode and decode (ConfigError when spec does not fit it)
+        self.codec: BlockCodec = scheme.codec(spec, self.device, layer_scales)
         if residual_tokens is None:
-            residual_tokens = 128 if isinstance(scheme, KIVI) else 0
+            residual_tokens = self.codec.default_residual_tokens
         if residual_tokens < 0:
             raise ConfigError(f"residual_tokens must be >= 0, got {residual_tokens}")
         if staging_blocks is not None and staging_blocks < 0:
             raise ConfigError(f"staging_blocks must be >= 0, got {staging_blocks}")
-        nl, t, d = spec.num_layers, spec.block_size, spec.head_dim
-        if isinstance(scheme, KIVI):
-            if t % scheme.group_size:
-                raise ConfigError(
-                    f"KIVI groups of {scheme.group_size} tokens must fit whole blocks: block_size {t} is not a "
-                    f"multiple; use block_size={scheme.group_size} (or a multiple)"
-                )
-            if d % min(scheme.group_size, d) or (d * scheme.bits) % 8:
-                raise ConfigError(f"head_dim {d} does not split into KIVI value groups / packed bytes")
-        if isinstance(scheme, PerTensorInt8) and scheme.fixed is None:
-            if layer_scales is None:
-                raise ConfigError("a calibrated PerTensorInt8 needs layer_scales [L, 2] (see quant.calibrate)")
-            if tuple(layer_scales.shape) != (nl, 2):
-                raise ShapeError(f"layer_scales must be [{nl}, 2], got {tuple(layer_scales.shape)}")
-        self.spec, self.scheme, self.device = spec, scheme, torch.device(device)
+        self.spec, self.scheme = spec, scheme
         self.num_blocks = num_blocks
         self.residual_tokens = residual_tokens
-        self.streaming = not isinstance(scheme, KIVI) and residual_tokens == 0
+        self.streaming = self.codec.streams and residual_tokens == 0
         # whether sequences must report their residual windows (hold/unhold): blocks are staged at full
         # precision and sealed later
         self.tracks_windows: bool = not self.streaming
@@ -134,51 +116,20 @@ class QuantizedBlockPool:
         # per block: how many live sequences hold it inside their residual window (they read it at full
         # precision); a block is sealed only when none does (see SequenceCache and the module docstring)
         self.window_holds = torch.zeros((num_blocks,), dtype=torch.int32)
-        self.layer_scales = None
-        if isinstance(scheme, PerTensorInt8):
-            fixed = torch.full((nl, 2), float(scheme.fixed)) if scheme.fixed is not None else layer_scales.float()
-            self.layer_scales = fixed.to(self.device)
-        self.payload = self._allocate(num_blocks)
+        self.layer_scales = self.codec.layer_scales  # [L, 2] per-tensor int8 scales, else None
+        self.payload = self.codec.allocate(num_blocks)
         self.rescales = 0  # fp8 blocks whose scale had to grow
         self.seals = 0
         self.clipped = 0  # per-tensor int8 values beyond ±127·scale (fixed scales clip)
 
     # ------------------------------------------------------------------ structure
-    def _allocate(self, n: int) -> dict[str, torch.Tensor]:
-        nl, h, t, d = self.spec.num_layers, self.spec.num_kv_heads, self.spec.block_size, self.spec.head_dim
-        dev, s = self.device, self.scheme
-        if isinstance(s, Float16):
-            return {"codes": torch.zeros((n, nl, 2, h, t, d), dtype=torch.float16, device=dev)}
-        if isinstance(s, PerTokenInt8):
-            return {
-                "codes": torch.zeros((n, nl, 2, h, t, d), dtype=torch.int8, device=dev),
-                "scale": torch.zeros((n, nl, 2, h, t), dtype=torch.float16, device=dev),
-            }
-        if isinstance(s, PerTensorInt8):
-            return {"codes": torch.zeros((n, nl, 2, h, t, d), dtype=torch.int8, device=dev)}
-        if isinstance(s, FP8E4M3):
-            return {
-                "codes": torch.zeros((n, nl, 2, h, t, d), dtype=torch.uint8, device=dev),  # float8 bits
-                "scale": torch.zeros((n, nl, 2, h), dtype=torch.float32, device=dev),
-            }
-        packed, gk, gv = d * s.bits // 8, s.group_size, min(s.group_size, d)
-        return {
-            "k_codes": torch.zeros((n, nl, h, t, packed), dtype=torch.uint8, device=dev),
-            "k_scale": torch.zeros((n, nl, h, t // gk, d), dtype=torch.float16, device=dev),
-            "k_zero": torch.zeros((n, nl, h, t // gk, d), dtype=torch.float16, device=dev),
-            "v_codes": torch.zeros((n, nl, h, t, packed), dtype=torch.uint8, device=dev),
-            "v_scale": torch.zeros((n, nl, h, t, d // gv), dtype=torch.float16, device=dev),
-            "v_zero": torch.zeros((n, nl, h, t, d // gv), dtype=torch.float16, device=dev),
-        }
-
     @property
     def segments(self) -> list[torch.Tensor]:
         return [self.staging]  # for code that counts segments; quantized pools are never segmented
 
     @property
     def nbytes(self) -> int:
-        extra = self.layer_scales.nbytes if self.layer_scales is not None else 0
-        return self.staging.nbytes + sum(p.nbytes for p in self.payload.values()) + extra
+        return self.staging.nbytes + sum(p.nbytes for p in self.payload.values()) + self.codec.extra_nbytes
 
     @property
     def block_payload_bytes(self) -> int:
@@ -218,7 +169,7 @@ class QuantizedBlockPool:
             if keep_contents:
                 idx = torch.tensor([block])
                 for layer in range(self.spec.num_layers):
-                    self.staging[slot, layer] = self._decode(idx, layer)[0].to(self.spec.dtype)
+                    self.staging[slot, layer] = self.codec.decode(self.payload, idx, layer)[0].to(self.spec.dtype)
             self.staging_slot[block] = slot
         return slot
 
@@ -274,19 +225,9 @@ class QuantizedBlockPool:
             self.staging[where, layer, 1, :, offsets] = value
             return
         for kv, x in ((0, key), (1, value)):
-            if isinstance(self.scheme, Float16):
-                self.payload["codes"][blocks, layer, kv, :, offsets] = x.to(torch.float16)
-            elif isinstance(self.scheme, PerTokenInt8):
-                scale = PerTokenInt8.scales(x)  # [n, H]
-                codes = (x.float() / scale.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
-                self.payload["codes"][blocks, layer, kv, :, offsets] = codes
-                self.payload["scale"][blocks, layer, kv, :, offsets] = scale
-            elif isinstance(self.scheme, PerTensorInt8):
-                scaled = x.float() / self.layer_scales[layer, kv]
-                self.clipped += int((scaled.abs() > 127.5).sum())
-                self.payload["codes"][blocks, layer, kv, :, offsets] = scaled.round().clamp(-127, 127).to(torch.int8)
-            else:
-                self._write_fp8(layer, kv, blocks, offsets, x)
+            clipped, rescales = self.codec.write(self.payload, layer, kv, blocks, offsets, x)
+            self.clipped += clipped  # per-tensor int8 with a fixed scale; fp8 grows its scales instead
+            self.rescales += rescales
 
     def _check_values(self, layer: int | None, key: torch.Tensor, value: torch.Tensor) -> None:
         """Refuse K/V this pool cannot encode (:class:`InvalidArgumentError`): a non-finite value would poison the
@@ -300,38 +241,7 @@ class QuantizedBlockPool:
                     f"{what}: found a non-finite value ({bad}); a {self.scheme.name} pool stores "
                     f"only finite K/V — check the model's numerics (nothing was written)"
                 )
-            if isinstance(self.scheme, PerTokenInt8):
-                PerTokenInt8.check_range(x, what)
-
-    def _write_fp8(self, layer: int, kv: int, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> None:
-        """fp8 with a per-(block, head) scale that grows when a new token needs more range."""
-        codes, scales = self.payload["codes"], self.payload["scale"]
-        # powers of two: growing a scale then shifts every stored code's exponent exactly, so repeated growth
-        # never compounds rounding (a scale grown by 3% would round many codes back to themselves)
-        amax = x.float().abs().amax(-1)  # [n, H]
-        need = torch.exp2(torch.ceil(torch.log2(fitting_scale(amax, FP8_MAX))))  # [n, H]
-        # float32's log2 can round 2^k · (1 + ε) down to k: double such a scale so that it really fits
-        need = torch.where(amax / need > FP8_MAX, need * 2, need)
-        for b in blocks.unique().tolist():
-            mine = blocks == b
-            need_b = need[mine].amax(0)  # [H]
-            if bool((offsets[mine] == 0).any()):  # the block starts here: whatever it held before is gone
-                scales[b, layer, kv] = 0.0
-            current = scales[b, layer, kv]
-            grow = need_b > current
-            if bool(grow.any()):
-                new = torch.maximum(current, need_b)
-                held = current > 0
-                if bool((grow & held).any()):  # re-encode what the block holds under the larger scale
-                    old = codes[b, layer, kv].view(torch.float8_e4m3fn).float() * current[:, None, None]
-                    codes[b, layer, kv] = (old / new[:, None, None]).to(torch.float8_e4m3fn).view(torch.uint8)
-                    self.rescales += 1
-                scales[b, layer, kv] = new
-        s = scales[blocks, layer, kv]  # [n, H]
-        scaled = x.float() / s[..., None]
-        self.clipped += int((scaled.abs() > FP8_MAX).sum())  # always 0: every scale was grown to fit
-        q = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-        codes[blocks, layer, kv, :, offsets] = q
+            self.codec.check_values(x, what)
 
     # ------------------------------------------------------------------ sealing (residual window / aging)
     def hold(self, blocks: list[int]) -> None:
@@ -374,66 +284,12 @@ class QuantizedBlockPool:
             return
         idx = torch.tensor(blocks, dtype=torch.long)
         kv = self.staging[self.staging_slot[idx]]  # [m, L, 2, H, T, D]
-        m, nl, _, h, t, d = kv.shape
-        s = self.scheme
-        if isinstance(s, KIVI):
-            qk = s.quantize(kv[:, :, 0].reshape(m * nl * h, t, d), "key")
-            qv = s.quantize(kv[:, :, 1].reshape(m * nl * h, t, d), "value")
-            self.payload["k_codes"][idx] = qk.data.reshape(m, nl, h, t, -1)
-            self.payload["k_scale"][idx] = qk.scale.reshape(m, nl, h, -1, d)
-            self.payload["k_zero"][idx] = qk.zero.reshape(m, nl, h, -1, d)
-            self.payload["v_codes"][idx] = qv.data.reshape(m, nl, h, t, -1)
-            self.payload["v_scale"][idx] = qv.scale.reshape(m, nl, h, t, -1)
-            self.payload["v_zero"][idx] = qv.zero.reshape(m, nl, h, t, -1)
-        elif isinstance(s, Float16):
-            self.payload["codes"][idx] = kv.to(torch.float16)
-        elif isinstance(s, PerTokenInt8):
-            q = s.quantize(kv.reshape(m * nl * 2 * h, t, d))
-            self.payload["codes"][idx] = q.data.reshape(m, nl, 2, h, t, d)
-            self.payload["scale"][idx] = q.scale.reshape(m, nl, 2, h, t)
-        elif isinstance(s, PerTensorInt8):
-            scaled = kv.float() / self.layer_scales[None, :, :, None, None, None]
-            self.clipped += int((scaled.abs() > 127.5).sum())
-            self.payload["codes"][idx] = scaled.round().clamp(-127, 127).to(torch.int8)
-        else:
-            q = FP8E4M3().quantize(kv.reshape(m * nl * 2 * h, t, d))
-            self.clipped += q.meta["clipped"]  # always 0: the scale is chosen to fit
-            self.payload["codes"][idx] = q.data.view(torch.uint8).reshape(m, nl, 2, h, t, d)
-            self.payload["scale"][idx] = q.scale.reshape(m, nl, 2, h)
+        self.clipped += self.codec.encode(self.payload, idx, kv)  # fp8 counts 0: its scales fit
         for b in blocks:
             self.release(b)
         self.seals += len(blocks)
 
     # ------------------------------------------------------------------ reads
-    def _decode(self, idx: torch.Tensor, layer: int) -> torch.Tensor:
-        """Dequantized ``[m, 2, H, T, D]`` of sealed blocks ``idx`` in one layer (float32)."""
-        s, p = self.scheme, self.payload
-        if isinstance(s, Float16):
-            return p["codes"][idx, layer].float()
-        if isinstance(s, PerTokenInt8):
-            return p["codes"][idx, layer].float() * p["scale"][idx, layer].float()[..., None]
-        if isinstance(s, PerTensorInt8):
-            return p["codes"][idx, layer].float() * self.layer_scales[layer][None, :, None, None, None]
-        if isinstance(s, FP8E4M3):
-            codes = p["codes"][idx, layer].view(torch.float8_e4m3fn).float()
-            return codes * p["scale"][idx, layer][..., None, None]
-        m, h, t, d = idx.numel(), self.spec.num_kv_heads, self.spec.block_size, self.spec.head_dim
-        qk = QTensor(
-            p["k_codes"][idx, layer].reshape(m * h, t, -1),
-            p["k_scale"][idx, layer].reshape(m * h, -1, d),
-            p["k_zero"][idx, layer].reshape(m * h, -1, d),
-            shape=(m * h, t, d),
-            meta={"kind": "key"},
-        )
-        qv = QTensor(
-            p["v_codes"][idx, layer].reshape(m * h, t, -1),
-            p["v_scale"][idx, layer].reshape(m * h, t, -1),
-            p["v_zero"][idx, layer].reshape(m * h, t, -1),
-            shape=(m * h, t, d),
-            meta={"kind": "value"},
-        )
-        return torch.stack([s.dequantize(qk).reshape(m, h, t, d), s.dequantize(qv).reshape(m, h, t, d)], dim=1)
-
     def read_blocks(self, blocks: torch.Tensor, layer: int) -> torch.Tensor:
         """``[n, 2, H, T, D]`` of ``blocks`` in one layer, dequantized to the pool's dtype."""
         layer = check_layer(self.spec, layer)
@@ -446,7 +302,7 @@ class QuantizedBlockPool:
         if bool(staged.any()):
             out[staged] = self.staging[slots[staged], layer]
         if bool((~staged).any()):
-            out[~staged] = self._decode(blocks[~staged], layer).to(self.spec.dtype)
+            out[~staged] = self.codec.decode(self.payload, blocks[~staged], layer).to(self.spec.dtype)
         return out
 
     def gather(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -487,10 +343,12 @@ class QuantizedBlockPool:
     def poison(self, block: int) -> None:
         """Debug mode: make a freed block decode to NaN (per-tensor int8 has no per-block scale to poison)."""
         block = self._check_block(block)
-        for name, tensor in self.payload.items():
-            if "scale" in name:
-                tensor[block] = float("nan")
+        self.codec.poison(self.payload, block)
         self.release(block)
+
+    def kernel_args(self, layer: int) -> dict[str, object]:
+        """The ``memos_kernels`` arguments of one layer's sealed blocks (views; see the scheme's codec)."""
+        return self.codec.kernel_args(self.payload, check_layer(self.spec, layer))
 
     def stats(self) -> dict[str, int]:
         return {

@@ -1,4 +1,5 @@
-"""Accuracy of a quantized KV cache, measured against the unquantized one on the same model and text.
+"""Accuracy of a quantized KV cache, measured against the unquantized one on the same model and text (a harness
+above the quant layer: it runs models through :mod:`memos_ref.hf`, so it lives with the benchmarks).
 
 * perplexity: teacher-forced, the text fed through a :class:`~memos_ref.hf.PagedCache` in chunks, so every
   query attends over K/V read back from the (quantized) pool — its own chunk's included, as in decode;
@@ -25,7 +26,7 @@ import torch
 from memos_ref.errors import InvalidArgumentError, ShapeError, check_index, check_type
 from memos_ref.hf import PagedCache
 from memos_ref.paged import PagedKV
-from memos_ref.quant.schemes import KIVI, Quantizer
+from memos_ref.quant import KIVI, Quantizer
 
 __all__ = [
     "calibrate_layer_scales",
@@ -128,7 +129,7 @@ def _bytes_per_token(kv: PagedKV, num_tokens: int) -> float:
     """Bytes the pool holds for the sequence, staged (full-precision) blocks counted at fp16."""
     pool, spec = kv.pool, kv.spec
     fp16_block = spec.block_size * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
-    if not getattr(pool, "quantized", False):
+    if not pool.quantized:
         return fp16_block / spec.block_size
     used = -(-num_tokens // spec.block_size)
     staged = pool.staged_blocks
