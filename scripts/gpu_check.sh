@@ -70,7 +70,7 @@ echo $? >"$LOGS/import.rc"
 
 if "$PY" -c "import pytest" 2>/dev/null; then
   (cd "$ROOT" && MEMOS_REF_FULL_KERNELS=1 timeout "$TEST_S" "$PY" -m pytest -v -p no:cacheprovider \
-    tests/test_kernels_matrix.py tests/test_kernels.py tests/test_kernels_layout.py tests/test_cuda_kernel.py \
+    tests/test_kernels.py tests/test_kernels_layout.py tests/test_cuda_kernel.py tests/test_kernels_matrix.py \
     >"$LOGS/tests.log" 2>&1)
   echo $? >"$LOGS/tests.rc"
 else
