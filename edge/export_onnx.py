@@ -15,8 +15,20 @@ writes into slot ``block_tables[b, pos // T] · T + pos % T`` (the graph does no
 Attention inside the graph gathers the sequence's blocks through its block table and masks positions past its
 length, so one graph serves any mix of lengths up to ``max_blocks · T``.
 
-On the device: ``trtexec --onnx=decode.onnx --saveEngine=decode.plan --fp16`` (TensorRT 10 on JetPack 6.1);
-TensorRT is not installed here, so only onnxruntime runs the graph in the tests.
+**Paged addressing, not paged attention.** The graph reads the pool through the block table with one gather that
+densifies ``max_blocks · T`` slots per layer per step, then runs ordinary attention over them: the memory layout is
+paged, the compute is not. A paged-attention kernel (TensorRT-LLM's attention plugin, XQA) reads the blocks in
+place; TensorRT has no such op in ONNX, so this graph is a portable check of the layout and the numbers, not a
+fast decode path.
+
+The opset is pinned to 20 (:data:`OPSET`, TensorRT 10.3's ceiling on JetPack 6.1); weights over
+:data:`EXTERNAL_DATA_BYTES` go to an external data file beside the graph (protobuf's 2 GB limit).
+
+On the device: ``trtexec --onnx=decode.onnx --saveEngine=decode.plan --fp16 --skipInference`` (TensorRT 10 on
+JetPack 6.1). Without ``--skipInference`` trtexec feeds random values to every input, block tables and lengths
+included, which index out of the pool; to time it, give real inputs with ``--loadInputs``. TensorRT is not
+installed here, so only onnxruntime runs the graph in the tests (:func:`onnx_generate` runs a whole greedy
+generation through it, feeding ``new_kv`` back into the pool).
 """
 
 from __future__ import annotations
@@ -32,7 +44,21 @@ from torch import nn
 from memos_ref.errors import BackendUnavailableError, ConfigError
 from memos_ref.model.llama import LlamaForward, apply_rope, rope_cos_sin
 
-__all__ = ["PagedDecodeStep", "example_inputs", "export", "main", "run_onnx"]
+__all__ = [
+    "EXTERNAL_DATA_BYTES",
+    "OPSET",
+    "PagedDecodeStep",
+    "example_inputs",
+    "export",
+    "main",
+    "onnx_generate",
+    "run_onnx",
+]
+
+#: ONNX opset of the exported graph: TensorRT 10.3 (JetPack 6.1) parses up to opset 20.
+OPSET = 20
+#: Graphs whose weights exceed this many bytes keep them in an external data file (protobuf's limit is 2 GB).
+EXTERNAL_DATA_BYTES = 1_500_000_000
 
 
 class PagedDecodeStep(nn.Module):
@@ -106,9 +132,11 @@ def export(
     blocks: int = 64,
     max_blocks: int = 16,
     block_size: int = 16,
+    external_data: bool | None = None,
 ) -> Path:
-    """Export the decode step with ``torch.onnx.export(dynamo=True)``. Batch, pool size and table width are fixed
-    at export (TensorRT builds for fixed profiles anyway); export again for other sizes."""
+    """Export the decode step with ``torch.onnx.export(dynamo=True)`` at opset :data:`OPSET`. Batch, pool size and
+    table width are fixed at export (TensorRT builds for fixed profiles anyway); export again for other sizes.
+    ``external_data`` (default: weights over :data:`EXTERNAL_DATA_BYTES`) writes the weights beside the graph."""
     try:
         import onnxscript  # noqa: F401 - the dynamo exporter needs it
     except ImportError as exc:
@@ -126,9 +154,14 @@ def export(
             dynamo=True,
             input_names=["input_ids", "positions", "kv_pool", "block_tables", "seq_lens"],
             output_names=["logits", "new_kv"],
-            external_data=False,
+            opset_version=OPSET,
+            external_data=_weight_bytes(model) > EXTERNAL_DATA_BYTES if external_data is None else external_data,
         )
     return out
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def run_onnx(path: str | Path, *inputs: torch.Tensor) -> list[Any]:
@@ -140,6 +173,48 @@ def run_onnx(path: str | Path, *inputs: torch.Tensor) -> list[Any]:
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
     return session.run(None, {n: x.numpy() for n, x in zip(names, inputs)})
+
+
+def onnx_generate(
+    path: str | Path, model: LlamaForward, prompts: list[list[int]], steps: int, *, blocks: int, block_size: int = 16
+) -> list[list[int]]:
+    """Greedy generation run entirely through the ONNX decode step in onnxruntime: each prompt token, then each
+    generated one, goes through the graph, and its ``new_kv`` is written into the pool at slot
+    ``block_tables[b, pos // T] · T + pos % T`` — the runtime's side of the contract. One row per graph batch
+    row; the prompts must have equal lengths (a fixed-batch graph). Returns the generated ids per row."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    shapes = {i.name: i.shape for i in session.get_inputs()}
+    batch, width = shapes["block_tables"]
+    if len(prompts) != batch or len({len(p) for p in prompts}) != 1:
+        raise ConfigError(f"the graph takes {batch} prompts of one length, got lengths {[len(p) for p in prompts]}")
+    total = len(prompts[0]) + steps
+    need = -(-total // block_size)
+    if need > width or need * batch > blocks:
+        raise ConfigError(f"{total} tokens need {need} blocks per row: the graph has {width} per row, {blocks} in all")
+    spec = model.kv_spec(block_size=block_size)
+    pool = torch.zeros((blocks, *spec.block_shape), dtype=spec.dtype)  # [N, L, 2, H, T, D]
+    tables = torch.zeros((batch, width), dtype=torch.long)  # padding: block 0, masked by the length
+    tables[:, :need] = torch.arange(batch * need).view(batch, need)  # row b owns blocks b·need ... b·need + need - 1
+    current = [p[0] for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    for pos in range(total - 1):
+        lens = torch.full((batch,), pos, dtype=torch.long)
+        logits, new_kv = session.run(None, {"input_ids": torch.tensor([[t] for t in current]).numpy(),
+                                            "positions": lens.numpy(), "kv_pool": pool.numpy(),
+                                            "block_tables": tables.numpy(), "seq_lens": lens.numpy()})  # fmt: skip
+        new_kv = torch.from_numpy(new_kv)  # [B, L, 2, H, D]
+        for b in range(batch):
+            pool[tables[b, pos // block_size], :, :, :, pos % block_size] = new_kv[b]
+        nxt = torch.from_numpy(logits).argmax(-1).tolist()
+        for b in range(batch):
+            if pos + 1 < len(prompts[b]):
+                current[b] = prompts[b][pos + 1]
+            else:
+                out[b].append(nxt[b])
+                current[b] = nxt[b]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         max_blocks=args.max_blocks,
         block_size=args.block_size,
     )
-    print(f"wrote {path}; on the device: trtexec --onnx={path} --saveEngine=decode.plan --fp16")
+    print(f"wrote {path}; on the device: trtexec --onnx={path} --saveEngine=decode.plan --fp16 --skipInference")
     return 0
 
 

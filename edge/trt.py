@@ -25,7 +25,7 @@ def build_onnx_engine(onnx_path: str | Path, engine_path: str | Path, *, fp16: b
     except ImportError as exc:
         raise BackendUnavailableError(
             f"TensorRT is not installed here; on the Jetson run: trtexec --onnx={onnx_path} "
-            f"--saveEngine={engine_path}{' --fp16' if fp16 else ''}"
+            f"--saveEngine={engine_path}{' --fp16' if fp16 else ''} --skipInference"
         ) from exc
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -38,5 +38,10 @@ def build_onnx_engine(onnx_path: str | Path, engine_path: str | Path, *, fp16: b
     if fp16:
         config.set_flag(trt.BuilderFlag.FP16)
     engine = builder.build_serialized_network(network, config)
+    if engine is None:  # TensorRT reports a failed build by returning None (its log says why)
+        raise BackendUnavailableError(
+            f"TensorRT could not build an engine from {onnx_path} (see the TensorRT log above); try "
+            f"trtexec --onnx={onnx_path} --verbose --skipInference on the device"
+        )
     Path(engine_path).write_bytes(bytes(engine))
     return Path(engine_path)

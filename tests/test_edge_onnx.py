@@ -72,3 +72,74 @@ def test_tensorrt_boundary(graph, tmp_path):
         pytest.skip("TensorRT is installed: build and time the engine on the device (edge/README.md)")
     with pytest.raises(BackendUnavailableError, match="trtexec --onnx="):
         build_onnx_engine(graph[1], tmp_path / "decode.plan")
+
+
+# ---------------------------------------------------------------------- issue 16 item 6
+def test_opset_is_pinned_to_tensorrt_10_3s(graph):
+    import onnx
+    from memos_edge.export_onnx import OPSET
+
+    proto = onnx.load(str(graph[1]), load_external_data=False)
+    assert OPSET == 20 and {o.domain: o.version for o in proto.opset_import}[""] == OPSET  # before: unpinned
+
+
+def test_onnx_generate_feeds_new_kv_back_and_equals_the_package(graph):
+    from memos_edge.export_onnx import onnx_generate
+
+    model, path = graph
+    prompts = [list(b"def add(a, b):\n    return "), list(b"for i in range(9):\n   prin")]
+    assert len(prompts[0]) == len(prompts[1])
+    got = onnx_generate(path, model, prompts, 6, blocks=16)
+    for prompt, tokens in zip(prompts, got):
+        kv = PagedKV(model.kv_spec(block_size=16), 8, prefix_caching=False)
+        cache, ids, want = PagedCache(kv), torch.tensor([prompt]), []
+        with torch.no_grad():
+            for _ in range(6):
+                want.append(int(model(ids, cache)[0, -1].argmax()))
+                ids = torch.tensor([[want[-1]]])
+        assert tokens == want
+    with pytest.raises(ConfigError, match="one length"):
+        onnx_generate(path, model, [prompts[0], prompts[1][:-1]], 2, blocks=16)
+
+
+def test_large_models_get_external_data(monkeypatch, tmp_path):
+    import memos_edge.export_onnx as mod
+
+    seen = []
+    monkeypatch.setattr(torch.onnx, "export", lambda *a, **k: seen.append(k))
+    model = load_model()
+    mod.export(model, tmp_path / "a.onnx", blocks=4, max_blocks=2)
+    monkeypatch.setattr(mod, "EXTERNAL_DATA_BYTES", 0)  # as if the weights were over protobuf's 2 GB
+    mod.export(model, tmp_path / "b.onnx", blocks=4, max_blocks=2)
+    assert [k["external_data"] for k in seen] == [False, True]  # before: always False
+    assert all(k["opset_version"] == mod.OPSET for k in seen)
+
+
+def test_a_failed_tensorrt_build_is_a_package_error(monkeypatch, tmp_path):
+    # TensorRT's build_serialized_network returns None when the build fails; before, bytes(None) raised TypeError
+    import types
+
+    from memos_edge.trt import build_onnx_engine
+
+    from memos_ref.errors import BackendUnavailableError
+
+    class Anything:
+        def __init__(self, *a, **k):
+            pass
+
+        def __getattr__(self, name):
+            return lambda *a, **k: self
+
+        def parse(self, data):
+            return True
+
+        def build_serialized_network(self, network, config):
+            return None
+
+    fake = types.SimpleNamespace(Logger=Anything, Builder=Anything, OnnxParser=Anything, BuilderFlag=Anything())
+    fake.Logger.WARNING = 0
+    monkeypatch.setitem(__import__("sys").modules, "tensorrt", fake)
+    (tmp_path / "g.onnx").write_bytes(b"graph")
+    with pytest.raises(BackendUnavailableError, match="could not build"):
+        build_onnx_engine(tmp_path / "g.onnx", tmp_path / "g.plan")
+    assert not (tmp_path / "g.plan").exists()
