@@ -43,10 +43,12 @@ from memos_ref.paged.pool import gather_blocks
 
 if TYPE_CHECKING:
     from memos_ref.paged.sequence import SequenceCache
+    from memos_ref.paged.step import StepBatch
 
 __all__ = [
     "MODES",
     "attend_sequences",
+    "attend_step",
     "dense_attention",
     "gather_kv",
     "kernel_mode",
@@ -270,6 +272,10 @@ def paged_attention(
                 f"mask: expected [{b}, 1 or {hq}, {nq}, >= {longest}] (batch, heads, queries, keys), got "
                 f"{tuple(mask.shape)}"
             )
+    lens = seq_lens.tolist()
+    plain = mask is None and sliding_window is None and softcap is None and sinks is None
+    if plain and b and min(lens) >= nq and (query_lens is None or query_lens.tolist() == [nq] * b):
+        return _attend_batched(query, key_cache, value_cache, block_tables, lens, scale)
     query_lens = query_lens if query_lens is not None else torch.full((b,), nq, dtype=torch.long)
     out = torch.zeros_like(query)
     for i in range(b):
@@ -291,6 +297,58 @@ def paged_attention(
             sinks=sinks,
         )
     return out
+
+
+def _gather_rows(
+    cache: torch.Tensor, block_tables: torch.Tensor, lens: list[int], width: int, slot: str
+) -> torch.Tensor:
+    """K (or V) of every row from ``cache [N, H, T, D]`` into this thread's scratch ``[B, H, width, D]`` (valid until
+    the slot's next use). Positions past a row's length are zero (a stale or poisoned value there would turn
+    the zero weights of the padding into NaN). One row: a strided copy per run of consecutive blocks; several
+    rows: one ``index_select`` of every row's blocks and one re-layout copy."""
+    b, (h, t, d) = len(lens), cache.shape[1:]
+    nb = -(-width // t)
+    out = _scratch_buffer(slot, (b, h, nb, t, d), cache)
+    if b == 1:
+        gather_blocks(cache, block_tables[0, :nb].tolist(), out[0])
+    else:
+        index = block_tables[:, :nb].clamp(min=0).reshape(-1)  # padding -1 reads block 0, zeroed below
+        picked = cache.index_select(0, index.to(cache.device))  # [B·nb, H, T, D]: the rows' blocks only
+        out.copy_(picked.view(b, nb, h, t, d).permute(0, 2, 1, 3, 4))
+    flat = out.view(b, h, nb * t, d)
+    for i, n in enumerate(lens):
+        if n < nb * t:
+            flat[i, :, n:] = 0
+    return flat[:, :, :width]
+
+
+def _attend_batched(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: list[int],
+    scale: float | None,
+) -> torch.Tensor:
+    """:func:`paged_attention` of every row at once (no mask, window, softcap or sinks; every row has all ``Q``
+    queries): one gather of the rows' blocks, rows padded to the longest, keys past a row's length masked, the
+    same fp32 scores and softmax as :func:`dense_attention`. Returns ``[B, Hq, Q, D]``."""
+    b, hq, nq, d = query.shape
+    h = key_cache.shape[1]
+    if hq % h:
+        raise ShapeError(f"query heads ({hq}) must be a multiple of KV heads ({h})")
+    group, width = hq // h, max(lens)
+    k = _gather_rows(key_cache, block_tables, lens, width, "k")  # [B, H, S, D]
+    v = _gather_rows(value_cache, block_tables, lens, width, "v")
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    qg = query.reshape(b, h, group * nq, d)  # [B, H, G·Q, D]
+    scores = (qg @ k.transpose(-1, -2)).float() * scale  # [B, H, G·Q, S]
+    if nq > 1 or min(lens) < width:  # causal within the new tokens, and each row's own length
+        q_pos = (torch.tensor(lens)[:, None] - nq + torch.arange(nq)).repeat(1, group)  # [B, G·Q]
+        allowed = torch.arange(width)[None, None, :] <= q_pos[:, :, None]  # [B, G·Q, S]
+        scores = scores.masked_fill(~allowed.to(scores.device)[:, None], float("-inf"))
+    out = scores.softmax(-1).to(v.dtype) @ v  # [B, H, G·Q, D]
+    return out.reshape(b, hq, nq, d)
 
 
 def _drop_trivial_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -326,7 +384,7 @@ def attend_sequences(
     mask = _drop_trivial_mask(mask)
     extras = dict(mask=mask, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     pool = sequences[0].pool
-    if len(pool.segments) != 1 or getattr(pool, "quantized", False):  # gather (and dequantize) per sequence
+    if len(pool.segments) != 1 or pool.quantized:  # gather (and dequantize) per sequence
         lens = torch.tensor([seq.layer_tokens[layer] for seq in sequences])
         if mask is not None and (mask.ndim != 4 or mask.shape[3] < int(lens.max())):
             raise ShapeError(f"mask: expected [batch, heads, queries, >= {int(lens.max())}], got {tuple(mask.shape)}")
@@ -348,6 +406,42 @@ def attend_sequences(
         out = paged_decode(query[:, :, 0], view[:, 0], view[:, 1], tables.to(device), lens.to(device), scale=scale)
         return out[:, :, None]
     return paged_attention(query, view[:, 0], view[:, 1], tables, lens, scale=scale, **extras)
+
+
+def attend_step(
+    query: torch.Tensor,
+    step: StepBatch,
+    layer: int,
+    *,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of a prepared step's queries ``[B, Hq, n, D]`` over its rows' pages in one layer (after the layer
+    wrote the step): the block tables and lengths come from the :class:`~memos_ref.paged.step.StepBatch`, built
+    once for every layer, and the kernel choice is made once per step. A quantized or segmented pool gathers its
+    rows one by one (:func:`attend_sequences`). Options as in :func:`paged_attention`."""
+    check_type("query", query, torch.Tensor)
+    b = len(step.sequences)
+    if query.ndim != 4 or query.shape[0] != b or query.shape[2] != step.query_len:
+        raise ShapeError(f"query: expected [{b}, q_heads, {step.query_len}, head_dim], got {tuple(query.shape)}")
+    pool = step.pool
+    extras = dict(mask=_drop_trivial_mask(mask), sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+    if len(pool.segments) != 1 or pool.quantized:
+        return attend_sequences(query, step.sequences, layer, scale=scale, **extras)
+    view = pool.segments[0][:, layer]  # [num_blocks, 2, H, T, D]
+    if step.query_len == 1 and all(value is None for value in extras.values()):
+        kernels = step.notes.get("kernels")
+        if kernels is None:
+            kernels = step.notes["kernels"] = use_kernels(view.device) and _kernel_fits(query, view[:, 0], view[:, 1])
+        if kernels:
+            out = _triton().paged_decode_attention(
+                query[:, :, 0], view[:, 0], view[:, 1], step.block_tables, step.seq_lens, scale=scale
+            )
+            return out[:, :, None]
+    return paged_attention(query, view[:, 0], view[:, 1], step.block_tables, step.seq_lens, scale=scale, **extras)
 
 
 # ---------------------------------------------------------------------------------------------- kernel switch

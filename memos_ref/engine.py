@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from memos_ref.attention import attend_sequences
 from memos_ref.errors import (
     ArgumentTypeError,
     CapacityExceededError,
@@ -35,7 +34,9 @@ from memos_ref.errors import (
     check_index,
     check_type,
 )
+from memos_ref.hf import PagedCache
 from memos_ref.paged.sequence import SequenceCache
+from memos_ref.paged.step import rollback as _rollback
 from memos_ref.paged.store import PagedKV
 
 __all__ = ["GREEDY_TEMPERATURE", "Engine", "Request", "RequestStats"]
@@ -104,8 +105,9 @@ class Request:
         if not self.prompt:
             raise InvalidArgumentError("prompt: expected at least one token id, got an empty prompt")
         hi = None if vocab_size is None else vocab_size - 1
-        for i, token in enumerate(self.prompt):
-            check_index(f"prompt[{i}]", token, lo=0, hi=hi)
+        if not _ids_below(self.prompt, vocab_size):  # one pass; the per-token check only to name the bad one
+            for i, token in enumerate(self.prompt):
+                check_index(f"prompt[{i}]", token, lo=0, hi=hi)
         check_index("max_new_tokens", self.max_new_tokens, lo=1)
         check_type("temperature", self.temperature, (int, float))
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -114,23 +116,9 @@ class Request:
             )
         check_index("seed", self.seed, lo=0, hi=2**64 - 1)
         check_type("stop_ids", self.stop_ids, (list, tuple))
-        for i, token in enumerate(self.stop_ids):
-            check_index(f"stop_ids[{i}]", token, lo=0, hi=hi)
-
-
-class _Rows:
-    """The cache the package's forward sees for one batched step: row i is sequence i (own length)."""
-
-    def __init__(self, sequences: list[SequenceCache]) -> None:
-        self.sequences = sequences
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return max(seq.layer_tokens[layer_idx] for seq in self.sequences)
-
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int) -> torch.Tensor:
-        for row, seq in enumerate(self.sequences):
-            seq.append(layer, key[row], value[row])
-        return attend_sequences(query, self.sequences, layer)
+        if not _ids_below(self.stop_ids, vocab_size):
+            for i, token in enumerate(self.stop_ids):
+                check_index(f"stop_ids[{i}]", token, lo=0, hi=hi)
 
 
 class Engine:
@@ -165,6 +153,14 @@ class Engine:
         self.preemptions = 0
         self.deferred_admissions = 0  # times a waiting request could not start for lack of blocks
         self.steps = 0
+        # the forward-facing cache of every step: the package forward's PagedCache over the engine's rows
+        # (borrowed: rows of different lengths, freed by the engine), one StepBatch per forward
+        self._cache = PagedCache(kv, owns_rows=False)
+
+    def _rows(self, sequences: list[SequenceCache]) -> PagedCache:
+        """The cache the model sees for one forward: row i is ``sequences[i]`` (at its own length)."""
+        self._cache.sequences = sequences
+        return self._cache
 
     def submit(self, request: Request) -> Request:
         """Queue a request. It is checked first — token ids in the model's vocabulary, every field in its
@@ -205,7 +201,7 @@ class Engine:
     def _staging_capacity(self) -> float:
         """Full-precision staging blocks of a quantized pool (its prefills write there); unbounded otherwise."""
         pool = self.kv.pool
-        if not getattr(pool, "tracks_windows", False):
+        if not pool.tracks_windows:
             return math.inf
         return int(pool.staging.shape[0])  # type: ignore[attr-defined]
 
@@ -276,8 +272,8 @@ class Engine:
         reused = seq.num_tokens
         rest = torch.tensor([ids[reused:]])
         with torch.inference_mode():
-            logits = self.model(rest, _Rows([seq]), position_ids=torch.arange(reused, len(ids))[None])
-        seq.set_token_ids(ids)
+            logits = self.model(rest, self._rows([seq]), position_ids=torch.arange(reused, len(ids))[None])
+        seq.set_token_ids(ids[reused:], start=reused)  # the reused prefix's ids are already recorded
         return logits, reused
 
     def _retire_or_keep(self, request: Request, seq: SequenceCache) -> bool:
@@ -363,7 +359,7 @@ class Engine:
         positions = torch.tensor([[seq.num_tokens] for _, seq in batch])  # each row at its own position
         started = time.perf_counter()
         with torch.inference_mode():
-            logits = self.model(last, _Rows([seq for _, seq in batch]), position_ids=positions)
+            logits = self.model(last, self._rows([seq for _, seq in batch]), position_ids=positions)
         for _, seq in batch:
             if not seq.caught_up:  # a model that skipped a layer must not leave a half-written row behind
                 raise StateError(f"sequence {seq.seq_id} was not written in every layer by the decode step")
@@ -414,11 +410,9 @@ class Engine:
         raise ConfigError(f"requests still unfinished after {max_steps} steps")
 
 
-def _rollback(seq: SequenceCache, n: int) -> None:
-    """Cut ``seq`` back to its first ``n`` tokens after a model step failed part-way (some layers written, a
-    block perhaps reserved): every layer back to ``n``, blocks past them freed."""
-    if seq.freed:
-        return
-    seq.layer_tokens = [min(t, n) for t in seq.layer_tokens]
-    seq.num_tokens = max(seq.layer_tokens)
-    seq.truncate(min(n, seq.num_tokens))
+def _ids_below(ids: Any, vocab_size: int | None) -> bool:
+    """Whether ``ids`` is a list or tuple of plain ints in ``[0, vocab_size)`` (no upper bound for ``None``):
+    the token check of :meth:`Request.validate` in one pass over C-level builtins."""
+    if type(ids) not in (list, tuple) or not all(type(t) is int for t in ids):
+        return False
+    return not ids or (min(ids) >= 0 and (vocab_size is None or max(ids) < vocab_size))

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from memos_ref import attention
 from memos_ref.errors import (
     ConfigError,
     DeviceError,
@@ -55,7 +56,9 @@ from memos_ref.errors import (
     UseAfterFreeError,
     check_type,
 )
+from memos_ref.paged.pool import gather_blocks
 from memos_ref.paged.sequence import UNKNOWN_TOKEN, SequenceCache
+from memos_ref.paged.step import StepBatch
 from memos_ref.paged.store import PagedKV
 from memos_ref.spec import check_supported_config, warn_sliding, warn_sliding_window
 
@@ -88,12 +91,13 @@ class PagedView:
     def __init__(self, cache: PagedCache, layer: int, pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self._cache, self.layer, self._pending = weakref.ref(cache), layer, pending
 
-    def _flush(self) -> None:
-        """Write the K/V held since ``update`` into the pages (once)."""
-        if self._pending is not None:
-            key, value = self._pending
-            self.cache._write(key, value, self.layer)
-            self._pending = None
+    def _flush(self) -> StepBatch | None:
+        """Write the K/V held since ``update`` into the pages (once); returns the step they were written in."""
+        if self._pending is None:
+            return None
+        key, value = self._pending
+        self._pending = None
+        return self.cache._write(key, value, self.layer)
 
     @property
     def cache(self) -> PagedCache:
@@ -144,9 +148,11 @@ def _paged_attention_forward(
         cache._note_sliding(int(sliding_window))
     elif _has_padding(mask):
         cache._saw_padding = True
-    key._flush()
+    step = key._flush()
+    if step is None:  # a second read of one layer's view: the step as built
+        step = StepBatch.resume(cache.sequences, key.layer, 0) if cache._step is None else cache._step
     out = cache._attend_stored(  # [B, Hq, S, D]
-        query, key.layer, scaling, mask=mask, sliding_window=sliding_window, softcap=softcap, sinks=s_aux
+        query, step, key.layer, scaling, mask=mask, sliding_window=sliding_window, softcap=softcap, sinks=s_aux
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -328,8 +334,13 @@ class PagedLayer(CacheLayerMixin):
         return keys, values
 
     def get_seq_length(self) -> int:
-        seqs = self.owner.sequences
-        return seqs[0].layer_tokens[self.layer_idx] if seqs else 0
+        owner = self.owner
+        seqs = owner.sequences
+        if not seqs:
+            return 0
+        if owner.owns_rows:  # rows of one owned cache hold the same number of tokens
+            return seqs[0].layer_tokens[self.layer_idx]
+        return max(seq.layer_tokens[self.layer_idx] for seq in seqs)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -379,6 +390,14 @@ class PagedCache(Cache):
             Ignored over a quantized pool.
         config: the model's config (or the model): refuses unsupported models (MLA, linear attention) here
             rather than in the middle of a forward, and warns about sliding-window memory.
+        owns_rows: ``False`` borrows ``sequences`` (the engine's continuous batch): rows may hold different
+            lengths (the package forward with explicit ``position_ids``), and ``free()``, ``reset()`` or garbage
+            collection detach them without freeing their blocks — their owner frees them.
+
+    Each forward step's metadata (slot mapping, block tables, lengths) is a
+    :class:`~memos_ref.paged.step.StepBatch` built once, before the first layer writes (the package forward
+    asks for it with :meth:`prepare_step` before its layer loop; under transformers the first layer's
+    ``update`` builds it); every layer then writes with one indexed store and attends with one call.
 
     Supports greedy/sampled generation, left-padded batches, ``crop``, beam reordering (rows are forked,
     sharing blocks), sliding-window layers (every token is kept: see
@@ -398,26 +417,31 @@ class PagedCache(Cache):
         direct: bool = False,
         config: Any = None,
         dense_mirror: bool = False,
+        owns_rows: bool = True,
     ) -> None:
         check_type("kv", kv, PagedKV)
         check_type("direct", direct, bool)
         check_type("dense_mirror", dense_mirror, bool)
+        check_type("owns_rows", owns_rows, bool)
         if cache_salt is not None:
             check_type("cache_salt", cache_salt, str)
-        rows = _check_sequences(kv, sequences)
+        rows = _check_sequences(kv, sequences, ragged=not owns_rows)
         if config is not None:
             check_supported_config(config)
             warn_sliding_window(config)
         _drain_pending()
         self.kv, self.cache_salt, self.direct = kv, cache_salt, direct
-        self.dense_mirror = dense_mirror
+        self.dense_mirror, self.owns_rows = dense_mirror, owns_rows
         self._mirrors: list[_Mirror | None] = [None] * kv.spec.num_layers
         self._rows = _Rows(kv, rows)
+        self._step: StepBatch | None = None  # this forward step's metadata (built once, before the layers)
+        self._step_rows: list[SequenceCache] | None = None  # the row list it was built for
         self._freed = False
         self._sliding_noted = False
         self._saw_padding = False  # set when the memos_paged attention saw a padding mask (direct=True)
-        self._finalizer = weakref.finalize(self, _release_rows, self._rows)
-        self._finalizer.atexit = False
+        if owns_rows:
+            self._finalizer = weakref.finalize(self, _release_rows, self._rows)
+            self._finalizer.atexit = False
         super().__init__(layers=[PagedLayer(self, i) for i in range(kv.spec.num_layers)])
 
     @property
@@ -561,24 +585,46 @@ class PagedCache(Cache):
         if self.sequences and key.shape[0] != len(self.sequences):
             raise ShapeError(f"batch of {key.shape[0]} rows, but this cache holds {len(self.sequences)}")
 
-    def _write(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> None:
-        """Append this step's K/V ``[B, H, n, D]`` of one layer to every row (all rows or none)."""
+    def prepare_step(self, batch: int, n: int) -> StepBatch:
+        """Reserve ``n`` new tokens in each of ``batch`` rows and build the step's metadata, once, before the layer
+        loop (all rows or none; :class:`OutOfBlocksError` / :class:`StagingFullError` before anything changes).
+        Rows are created on the first step of an empty cache."""
+        self._check_live()
+        _drain_pending()
+        rows = self.sequences or [None] * batch
+        if self.sequences and batch != len(self.sequences):
+            raise ShapeError(f"batch of {batch} rows, but this cache holds {len(self.sequences)}")
+        self._ensure_blocks(lambda: sum(seq.blocks_needed(n) if seq else self.kv.spec.blocks_for(n) for seq in rows))
+        self._ensure_staging(rows, n)
+        if not self.sequences:
+            self.sequences = [self.kv.new_sequence(self.cache_salt) for _ in range(batch)]
+        self._step = StepBatch.reserve(self.sequences, n)
+        self._step_rows = self.sequences
+        return self._step
+
+    def _step_for(self, layer: int, batch: int, n: int) -> StepBatch:
+        """The step layer ``layer`` writes: the prepared one, a new one (the first layer past the reserved
+        tokens reserves them for every row), or one over already reserved positions (a layer catching up)."""
+        step = self._step
+        if (
+            step is not None
+            and self._step_rows is self.sequences
+            and not step.written[layer]
+            and step.query_len == n
+            and all(seq.layer_tokens[layer] == start for seq, start in zip(step.sequences, step.starts))
+        ):
+            return step
+        if not self.sequences or self.sequences[0].layer_tokens[layer] + n > self.sequences[0].num_tokens:
+            return self.prepare_step(batch, n)
+        return StepBatch.resume(self.sequences, layer, n)
+
+    def _write(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> StepBatch:
+        """Store this step's K/V ``[B, H, n, D]`` of one layer in every row (all rows or none); returns the step."""
         self._check_live()
         self._check(key, value)
-        _drain_pending()
-        n = key.shape[2]
-        rows = self.sequences or [None] * key.shape[0]
-        first = self.sequences[0].layer_tokens[layer] if self.sequences else 0
-        reserved = self.sequences[0].num_tokens if self.sequences else 0
-        if first + n > reserved:
-            self._ensure_blocks(
-                lambda: sum(seq.blocks_needed(n) if seq else self.kv.spec.blocks_for(n) for seq in rows)
-            )
-            self._ensure_staging(rows, n)
-        if not self.sequences:
-            self.sequences = [self.kv.new_sequence(self.cache_salt) for _ in range(key.shape[0])]
-        for row, seq in enumerate(self.sequences):
-            seq.append(layer, key[row], value[row])
+        step = self._step_for(layer, key.shape[0], key.shape[2])
+        step.write(layer, key, value)
+        return step
 
     def _ensure_staging(self, rows: list[Any], n: int) -> None:
         """Raise :class:`StagingFullError` before any row is written unless a quantized pool with a residual
@@ -586,7 +632,7 @@ class PagedCache(Cache):
         half-way would leave the earlier rows appended). Rows sharing a partly filled tail each count one copy,
         so the check errs on the side of refusing."""
         pool = self.kv.pool
-        if not getattr(pool, "tracks_windows", False):
+        if not pool.tracks_windows:
             return
         need = sum(seq.staging_needed(n) if seq else self.kv.spec.blocks_for(n) for seq in rows)
         available = pool.staging_available
@@ -626,25 +672,21 @@ class PagedCache(Cache):
         """
         check_type("query", query, torch.Tensor)
         before = self._held(layer)
-        self._write(key, value, layer)
+        step = self._write(key, value, layer)
         if self._mirrored(query.device):
-            from memos_ref.attention import dense_attention
-
             keys, values = self._mirror_step(layer, before, key, value)  # [B, H, S, D] views
-            return torch.stack([dense_attention(query[i], keys[i], values[i]) for i in range(query.shape[0])])
-        return self._attend_stored(query, layer)
+            return torch.stack([attention.dense_attention(query[i], keys[i], values[i]) for i in range(query.shape[0])])
+        return attention.attend_step(query, step, layer)
 
     def _held(self, layer: int) -> int:
-        """Tokens layer ``layer`` holds in every row (rows of one cache hold the same number)."""
+        """Tokens layer ``layer`` holds in the first row (rows of an owned cache hold the same number)."""
         return self.sequences[0].layer_tokens[layer] if self.sequences else 0
 
     def _mirrored(self, device: torch.device) -> bool:
         """Whether reads go through the dense mirror: asked for, a plain pool, and no kernel on ``device``."""
-        if not self.dense_mirror or getattr(self.kv.pool, "quantized", False):
+        if not self.dense_mirror or self.kv.pool.quantized:
             return False
-        from memos_ref.attention import use_kernels
-
-        return not use_kernels(device)
+        return not attention.use_kernels(device)
 
     def _mirror_step(
         self, layer: int, before: int, key: torch.Tensor, value: torch.Tensor
@@ -662,11 +704,9 @@ class PagedCache(Cache):
             mirror.append(key, value)
         return mirror.view()
 
-    def _attend_stored(self, query: torch.Tensor, layer: int, scale: float | None = None, **extras: Any):
-        from memos_ref.attention import attend_sequences
-
+    def _attend_stored(self, query: torch.Tensor, step: StepBatch, layer: int, scale: float | None = None, **extras):
         self._check_live()
-        return attend_sequences(query, self.sequences, layer, scale=scale, **extras)
+        return attention.attend_step(query, step, layer, scale=scale, **extras)
 
     def _note_sliding(self, window: int) -> None:
         if not self._sliding_noted:  # the attention function sees the window on every layer and step
@@ -690,17 +730,10 @@ class PagedCache(Cache):
             view = PagedView(self, layer, (key, value))
             return view, view
         before = self._held(layer)
-        self._write(key, value, layer)
+        step = self._write(key, value, layer)
         if self._mirrored(key.device):
             return self._mirror_step(layer, before, key, value)
-        keys, values = [], []
-        for seq in self.sequences:
-            k, v = seq.to_dense(layer)  # [H, S, D]: the gather transformers' attention needs
-            keys.append(k)
-            values.append(v)
-        if len(keys) == 1:  # no second copy for a single row
-            return keys[0].unsqueeze(0), values[0].unsqueeze(0)
-        return torch.stack(keys), torch.stack(values)  # [B, H, S, D]
+        return _gather_step(step, layer)  # [B, H, S, D]: the gather transformers' attention needs
 
     # linear-attention models ask the cache for recurrent state: refuse them clearly (transformers would fail)
     def get_conv_state(self, *args: Any, **kwargs: Any) -> Any:
@@ -738,11 +771,13 @@ class PagedCache(Cache):
         self.sequences = new
 
     def _release(self) -> None:
-        """Free every row's blocks; the cache stays usable (``reset``)."""
+        """Free every row's blocks (detach borrowed rows); the cache stays usable (``reset``)."""
         seqs, self.sequences = self.sequences, []
         self._mirrors = [None] * len(self._mirrors)
-        for seq in seqs:
-            seq.free()
+        self._step = self._step_rows = None
+        if self.owns_rows:
+            for seq in seqs:
+                seq.free()
 
     def reset(self) -> None:
         """Forget every token (transformers' ``Cache.reset``): the blocks go back, the cache can be reused."""
@@ -784,8 +819,30 @@ def _check_token_mask(mask: torch.Tensor | None, batch: int, held: int) -> list[
     return part.bool().tolist()
 
 
-def _check_sequences(kv: PagedKV, sequences: Sequence[SequenceCache] | None) -> list[SequenceCache]:
-    """The rows a cache starts from: live sequences of this very ``kv``, all at one length."""
+def _gather_step(step: StepBatch, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's K and V of ``layer`` as new dense ``[B, H, S, D]`` tensors (rows of one length): one copy of each
+    row's own blocks straight into the result (a plain single-segment pool), else a gather per row (dequantized)
+    and a stack."""
+    pool, seqs, n = step.pool, step.sequences, step.lens[0]
+    if len(pool.segments) != 1 or pool.quantized or len(set(step.lens)) > 1:
+        dense = [seq.to_dense(layer) for seq in seqs]
+        if len(dense) == 1:
+            return dense[0][0].unsqueeze(0), dense[0][1].unsqueeze(0)
+        return torch.stack([k for k, _ in dense]), torch.stack([v for _, v in dense])
+    spec = pool.spec
+    t, nb = spec.block_size, -(-n // spec.block_size)
+    out = pool.segments[0].new_empty((len(seqs), 2, spec.num_kv_heads, nb, t, spec.head_dim))
+    view = pool.segments[0][:, layer]  # [N, 2, H, T, D]
+    for i, table in enumerate(step.tables):
+        gather_blocks(view, table[:nb], out[i])  # [2, H, nb, T, D]
+    kv = out.view(len(seqs), 2, spec.num_kv_heads, nb * t, spec.head_dim)[:, :, :, :n]
+    return kv[:, 0], kv[:, 1]
+
+
+def _check_sequences(
+    kv: PagedKV, sequences: Sequence[SequenceCache] | None, ragged: bool = False
+) -> list[SequenceCache]:
+    """The rows a cache starts from: live sequences of this very ``kv``, all at one length (unless ``ragged``)."""
     if sequences is None:
         return []
     check_type("sequences", sequences, (list, tuple))
@@ -796,7 +853,7 @@ def _check_sequences(kv: PagedKV, sequences: Sequence[SequenceCache] | None) -> 
             raise InvalidArgumentError(f"sequences[{i}] belongs to another PagedKV than kv")
         if getattr(seq, "_freed", False):
             raise UseAfterFreeError(f"sequences[{i}] was freed; create a new sequence (or fork() before free())")
-    if len({seq.num_tokens for seq in rows}) > 1:
+    if not ragged and len({seq.num_tokens for seq in rows}) > 1:
         raise InvalidArgumentError(
             f"sequences: every row must hold the same number of tokens, got {[seq.num_tokens for seq in rows]}"
         )

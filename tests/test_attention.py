@@ -183,3 +183,24 @@ def test_wrong_arguments_raise_the_package_errors(call, error, match):
     q, k, v = _qkv()
     with pytest.raises(error, match=match):
         call(q, k, v)
+
+
+@pytest.mark.parametrize("queries", [1, 3])
+def test_batched_rows_of_different_lengths_equal_each_row_alone_even_beside_poisoned_slots(queries):
+    """The batched reference (rows padded to the longest, one gather) equals dense attention of each row alone,
+    and NaN in every slot no row holds (unused tails of last blocks, free blocks such as block 0, which the
+    padding reads) stays out of the result."""
+    lens, t, h, d = [5, 37, 16, 64], 16, 2, 8
+    k_cache, v_cache, tables = _random_paged(lens, h, d, t, 24, torch.float32, seed=queries)
+    held = torch.zeros(24, t, dtype=torch.bool)
+    for row, n in zip(tables.tolist(), lens):
+        for pos in range(n):
+            held[row[pos // t], pos % t] = True
+    for cache in (k_cache, v_cache):
+        cache.masked_fill_(~held[:, None, :, None], float("nan"))  # [N, H, T, D]
+    query = torch.randn(len(lens), h * 2, queries, d, generator=torch.Generator().manual_seed(1))
+    out = paged_attention(query, k_cache, v_cache, tables, torch.tensor(lens))
+    assert not out.isnan().any()
+    for i, n in enumerate(lens):
+        k, v = _gather_by_slots(k_cache, tables[i], n), _gather_by_slots(v_cache, tables[i], n)
+        torch.testing.assert_close(out[i], dense_attention(query[i], k, v), rtol=1e-5, atol=1e-5)

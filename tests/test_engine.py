@@ -98,3 +98,64 @@ def test_a_request_that_can_never_fit_is_refused_at_submission(shipped_pair):
         engine.submit(Request(list(range(40)), 4))
     assert not engine.waiting and engine.run() == []
     assert engine.kv.allocator.num_active == 0
+
+
+# ---------------------------------------------------------------------------------------------- the per-step batch
+def test_decode_step_builds_one_step_batch_and_writes_each_layer_once(shipped_pair, monkeypatch):
+    """Issue 15 item 2: a decode step of B rows and L layers reserves once per row (one StepBatch before the layer
+    loop), writes each layer with one store for every row and attends with one call per layer — not B·L appends,
+    B·L slot tensors and L block-table builds. The model sees the one forward-facing cache class, PagedCache."""
+    import memos_ref.attention as attention_mod
+    from memos_ref.hf import PagedCache
+    from memos_ref.paged.sequence import SequenceCache
+    from memos_ref.paged.step import StepBatch
+
+    ours, hf = shipped_pair
+    layers = ours.kv_spec().num_layers
+    engine = Engine(ours, PagedKV(ours.kv_spec(block_size=16), 128), max_batch=3)
+    prompts = [tok.encode(SYSTEM + task, add_bos=True) for task in TASKS[:3]]
+    requests = [engine.submit(Request(p, 6)) for p in prompts]
+    engine.step()  # admit and prefill every row
+    assert len(engine.running) == 3
+    counts = {"append": 0, "reserve": 0, "write": 0, "attend": 0, "slot_mapping": 0}
+
+    def counting(name, real):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(SequenceCache, "append", counting("append", SequenceCache.append))
+    monkeypatch.setattr(SequenceCache, "slot_mapping", counting("slot_mapping", SequenceCache.slot_mapping))
+    monkeypatch.setattr(StepBatch, "reserve", classmethod(counting("reserve", StepBatch.reserve.__func__)))
+    monkeypatch.setattr(StepBatch, "write", counting("write", StepBatch.write))
+    monkeypatch.setattr(attention_mod, "attend_step", counting("attend", attention_mod.attend_step))
+    seen = []
+    real_model = engine.model
+
+    def model(ids, cache, **kw):
+        seen.append(type(cache))
+        return real_model(ids, cache, **kw)
+
+    model.config = real_model.config
+    engine.model = model
+    engine.step()  # one batched decode step
+    assert counts == {"append": 0, "reserve": 1, "write": layers, "attend": layers, "slot_mapping": 0}
+    assert seen == [PagedCache]
+    engine.model = real_model
+    monkeypatch.undo()
+    engine.run()
+    for request, prompt in zip(requests, prompts):
+        assert request.output == _solo(hf, prompt, 6)
+
+
+def test_request_ids_are_checked_in_one_pass_and_still_named_when_bad(shipped_pair):
+    """A prompt is validated once per request with one pass (no check per token), and a bad id is still named."""
+    ours, _hf = shipped_pair
+    engine = Engine(ours, PagedKV(ours.kv_spec(block_size=16), 64), max_batch=2)
+    with pytest.raises(InvalidArgumentError, match=r"prompt\[2\]"):
+        engine.submit(Request([1, 2, ours.config.vocab_size, 3], 2))
+    with pytest.raises(InvalidArgumentError, match=r"stop_ids\[0\]"):
+        engine.submit(Request([1, 2], 2, stop_ids=(ours.config.vocab_size,)))
+    assert not engine.waiting

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+import memos_ref.hf as hf_mod
 from memos_ref.errors import ArgumentTypeError
 from memos_ref.hf import PagedCache
 from memos_ref.model.tokenizer import ByteTokenizer
@@ -57,14 +58,16 @@ def test_mirror_decode_steps_do_not_regather_the_history(shipped_pair, monkeypat
         kv = _kv(ours)
         counter = _CountingGather(kv.pool)
         monkeypatch.setattr(kv.pool, "gather", counter)
+        step_gather = _CountingGather(type("Seam", (), {"gather": staticmethod(hf_mod._gather_step)}))
+        monkeypatch.setattr(hf_mod, "_gather_step", step_gather)  # the plain path's gather of a whole step
         cache = PagedCache(kv, dense_mirror=mirror)
         with torch.inference_mode():
             hf(input_ids=ids, cache=cache, use_cache=True)  # prefill
-            counter.calls = 0
+            counter.calls = step_gather.calls = 0
             nxt = ids[:, -1:]
             for _ in range(8):
                 nxt = hf(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        assert counter.calls == expected_calls
+        assert counter.calls + step_gather.calls == expected_calls
         cache.free()
 
 

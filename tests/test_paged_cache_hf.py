@@ -357,3 +357,93 @@ def test_staging_full_in_a_batch_leaves_every_row_as_it_was():
     kv.check()
     cache.free()
     kv.check()
+
+
+# ---------------------------------------------------------------------------------------------- the per-step batch
+def test_one_forward_reserves_each_row_once_and_reads_the_kernel_mode_once(shipped_pair, monkeypatch):
+    """Issue 15 item 2: the package forward prepares one StepBatch before its layer loop (each row reserved once,
+    not once per layer through append), and the kernel switch is read once per step, not once per layer."""
+    import memos_ref.attention as attention_mod
+    from memos_ref.paged.sequence import SequenceCache
+
+    ours, _hf = shipped_pair
+    kv = _kv(ours)
+    ids = torch.stack(
+        [tok(p)[0, :12] for p in ("def f(x):\n    return x\n", "class A:\n    pass\n\n\n", "import os\n\n\n\n")]
+    )
+    cache = PagedCache(kv)
+    with torch.inference_mode():
+        ours(ids, cache)  # prefill three rows
+    counts = {"reserve": 0, "append": 0, "mode": 0}
+
+    def counting(name, real):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(SequenceCache, "reserve_positions", counting("reserve", SequenceCache.reserve_positions))
+    monkeypatch.setattr(SequenceCache, "append", counting("append", SequenceCache.append))
+    monkeypatch.setattr(attention_mod, "kernel_mode", counting("mode", attention_mod.kernel_mode))
+    with torch.inference_mode():
+        ours(ids[:, -1:], cache)  # one decode step
+    assert counts == {"reserve": 3, "append": 0, "mode": 1}
+    assert [seq.num_tokens for seq in cache.sequences] == [13] * 3
+    assert all(seq.caught_up for seq in cache.sequences)
+    cache.free()
+    kv.check()
+
+
+def test_step_batch_reserves_every_row_or_none(shipped_pair):
+    """StepBatch.reserve is all or nothing: when a later row cannot get its block, the rows reserved before it
+    give theirs back (state before == state after, no leaked block)."""
+    from memos_ref.paged.step import StepBatch
+
+    ours, _hf = shipped_pair
+    kv = _kv(ours, num_blocks=3, block_size=16)
+    rows = [kv.new_sequence(), kv.new_sequence()]
+    for seq in rows:
+        seq.advance([1] * 16)  # one full block each; the next token needs a new block
+    before = ([seq.block_table[:] for seq in rows], [seq.num_tokens for seq in rows], kv.allocator.num_available)
+    with pytest.raises(OutOfBlocksError):
+        StepBatch.reserve(rows, 17)  # row 0 alone needs two blocks
+    with pytest.raises(OutOfBlocksError):
+        StepBatch.reserve(rows, 1)  # row 0 gets the last free block, row 1 none
+    after = ([seq.block_table[:] for seq in rows], [seq.num_tokens for seq in rows], kv.allocator.num_available)
+    assert after == before
+    assert all(seq.caught_up for seq in rows)
+    kv.check()
+
+
+def test_borrowed_rows_may_differ_in_length_and_are_not_freed(shipped_pair):
+    """PagedCache(owns_rows=False), the engine's face of its batch: rows of different lengths attend at their own
+    positions (equal to each row alone), and free() detaches them without freeing their blocks."""
+    ours, _hf = shipped_pair
+    kv = _kv(ours)
+    prompts = [tok("def load(path):\n")[0], tok("x = 1\n")[0]]
+    rows, alone = [], []
+    for p in prompts:
+        seq = kv.new_sequence()
+        with torch.inference_mode():
+            ours(p[None], PagedCache(kv, [seq], owns_rows=False))
+            solo = PagedCache(kv)
+            ours(p[None], solo)
+            alone.append(ours(p[None, -1:], solo)[0, -1])
+            solo.free()
+        rows.append(seq)
+    with pytest.raises(InvalidArgumentError):
+        PagedCache(kv, rows)  # an owned cache's rows hold one length
+    cache = PagedCache(kv, rows, owns_rows=False)
+    last = torch.stack([p[-1:] for p in prompts])  # [2, 1]
+    positions = torch.tensor([[len(p)] for p in prompts])
+    with torch.inference_mode():
+        logits = ours(last, cache, position_ids=positions)
+    for row in range(2):
+        torch.testing.assert_close(logits[row, -1], alone[row], rtol=1e-4, atol=1e-4)
+    held = kv.allocator.num_active
+    cache.free()
+    assert kv.allocator.num_active == held and not any(seq.freed for seq in rows)
+    for seq in rows:
+        seq.free()
+    kv.check()

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-import memos_ref.engine as engine_mod
+import memos_ref.attention as attention_mod
 import memos_ref.session as session_mod
 from memos_ref.engine import GREEDY_TEMPERATURE, Engine, Request
 from memos_ref.errors import (
@@ -280,21 +280,21 @@ def _inject(stage: str, engine: Engine, monkeypatch, bad_prompt: list[int]) -> N
 
         monkeypatch.setattr(engine.kv, "start_from_prefix", start_from_prefix)
     elif stage == "prefill-layer-2":  # the bad prompt's prefill fails after layers 0 and 1 wrote its K/V
-        real = engine_mod.attend_sequences
+        real = attention_mod.attend_step
 
-        def attend_bad(query, sequences, layer, *a, **k):
+        def attend_bad(query, step, layer, *a, **k):
             if layer == 2:
                 raise _Boom("prefill")
-            return real(query, sequences, layer, *a, **k)
+            return real(query, step, layer, *a, **k)
 
         def model_wrapper(real_model):
             def call(ids, cache, **kw):
                 if ids.shape[1] > 1 and ids[0].tolist() == bad_prompt[-ids.shape[1] :]:
-                    monkeypatch.setattr(engine_mod, "attend_sequences", attend_bad)
+                    monkeypatch.setattr(attention_mod, "attend_step", attend_bad)
                     try:
                         return real_model(ids, cache, **kw)
                     finally:
-                        monkeypatch.setattr(engine_mod, "attend_sequences", real)
+                        monkeypatch.setattr(attention_mod, "attend_step", real)
                 return real_model(ids, cache, **kw)
 
             return call
@@ -302,16 +302,16 @@ def _inject(stage: str, engine: Engine, monkeypatch, bad_prompt: list[int]) -> N
         _wrap_model(engine, model_wrapper)
     elif stage.startswith("decode-layer-"):  # a batched decode step fails after some layers wrote every row
         layer_at = int(stage.rsplit("-", 1)[1])
-        real = engine_mod.attend_sequences
+        real = attention_mod.attend_step
 
-        def attend(query, sequences, layer, *a, **k):
+        def attend(query, step, layer, *a, **k):
             if query.shape[2] == 1 and layer == layer_at:
-                bad = [s for s in sequences if _is_bad(s, bad_prompt)]
+                bad = [s for s in step.sequences if _is_bad(s, bad_prompt)]
                 if bad and len(bad[0].token_ids) >= len(bad_prompt) + 3:  # from its third decode step on
                     raise _Boom("decode")
-            return real(query, sequences, layer, *a, **k)
+            return real(query, step, layer, *a, **k)
 
-        monkeypatch.setattr(engine_mod, "attend_sequences", attend)
+        monkeypatch.setattr(attention_mod, "attend_step", attend)
     elif stage == "sampling":
         real_sample = engine._sample
         seen = {"n": 0}
@@ -395,17 +395,17 @@ def test_an_interrupt_propagates_and_a_later_run_resumes_every_request(shipped_p
     ours, _ = shipped_pair
     engine = _engine(ours)
     requests = [engine.submit(Request(p, N_NEW)) for p in PROMPTS]
-    real = engine_mod.attend_sequences
+    real = attention_mod.attend_step
     armed = {"left": 1}
 
-    def attend(query, sequences, layer, *a, **k):
+    def attend(query, step, layer, *a, **k):
         is_stage = (query.shape[2] > 1) == (stage == "prefill")
         if armed["left"] and layer == 1 and is_stage and (stage == "prefill" or engine.steps == 2):
             armed["left"] -= 1
             raise _Interrupt
-        return real(query, sequences, layer, *a, **k)
+        return real(query, step, layer, *a, **k)
 
-    monkeypatch.setattr(engine_mod, "attend_sequences", attend)
+    monkeypatch.setattr(attention_mod, "attend_step", attend)
     with pytest.raises(_Interrupt):
         engine.run()
     engine.kv.check()
@@ -804,21 +804,21 @@ def test_an_interrupt_while_retrying_a_failed_step_row_by_row_loses_no_request(
     ours, _ = shipped_pair
     engine = _engine(ours)
     requests = [engine.submit(Request(p, N_NEW)) for p in PROMPTS]
-    real = engine_mod.attend_sequences
+    real = attention_mod.attend_step
     state = {"batched_failed": False, "rows": 0}
 
-    def attend(query, sequences, layer, *a, **k):
+    def attend(query, step, layer, *a, **k):
         if query.shape[2] == 1 and engine.steps == 1:
-            if len(sequences) > 1 and not state["batched_failed"]:
+            if len(step.sequences) > 1 and not state["batched_failed"]:
                 state["batched_failed"] = True
                 raise _Boom("batched step")
-            if len(sequences) == 1 and state["batched_failed"] and layer == 2:
+            if len(step.sequences) == 1 and state["batched_failed"] and layer == 2:
                 state["rows"] += 1
                 if state["rows"] == row + 1:  # this row's retry is interrupted after layers 0, 1 wrote it
                     raise _Interrupt
-        return real(query, sequences, layer, *a, **k)
+        return real(query, step, layer, *a, **k)
 
-    monkeypatch.setattr(engine_mod, "attend_sequences", attend)
+    monkeypatch.setattr(attention_mod, "attend_step", attend)
     with pytest.raises(_Interrupt):
         engine.run()
     monkeypatch.undo()

@@ -24,7 +24,8 @@ length, as a serving system would size them.
 ``summary.engine`` is the engine's per-step cost on the shipped model, in µs per row per step: the whole
 ``Engine.step``, the model forward inside it (the cache's appends and the paged attention included), what lies
 outside the forward (scheduling, sampling, bookkeeping), and the forward's excess over the same batch through
-a ContiguousCache (the paged path's per-layer metadata and gathers).
+a ContiguousCache (the paged path's metadata, writes and gathers); ``overhead_us_per_row_step`` (median, min, max
+over rounds) is the whole step's excess over that bare forward: the engine's per-step Python overhead.
 """
 
 from __future__ import annotations
@@ -324,6 +325,7 @@ def _engine_overhead(model: Any, rows: int, context: int, warmup: int, steps: in
 
     outside = [a - b for a, b in zip(samples["engine"], forward_ms)]
     excess = [a - b for a, b in zip(forward_ms, samples["contiguous"])]
+    overhead = [a - b for a, b in zip(samples["engine"], samples["contiguous"])]
     for _request, seq in list(engine.running):
         seq.free()
     return {
@@ -336,6 +338,9 @@ def _engine_overhead(model: Any, rows: int, context: int, warmup: int, steps: in
         "outside_forward_us_per_row_step": med(outside),
         "contiguous_forward_us_per_row_step": med(samples["contiguous"]),
         "paged_forward_excess_us_per_row_step": med(excess),
+        "overhead_us_per_row_step": med(overhead),
+        "overhead_us_per_row_step_min": round(min(overhead) * per, 1),
+        "overhead_us_per_row_step_max": round(max(overhead) * per, 1),
     }
 
 

@@ -288,6 +288,9 @@ class LlamaForward(nn.Module):
         # A cache with attend() (PagedCache) computes attention over its pages itself; padding masks need the
         # dense path, so left-padded batches keep using update().
         paged = attention_mask is None and callable(getattr(cache, "attend", None))
+        prepare = getattr(cache, "prepare_step", None) if paged else None
+        if prepare is not None:  # the step's slots, block tables and lengths, once for every layer (StepBatch)
+            prepare(b, s)
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask, cache, paged)
         return self.lm_head(self.model.norm(x))
