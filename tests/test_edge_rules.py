@@ -206,3 +206,19 @@ def test_the_plan_reaches_the_run(tmp_path):
     assert run[run.index("--max_tokens_in_paged_kv_cache") + 1] == str(p.kv_tokens) and "--use_mmap" in run
     with pytest.raises(ConfigError, match="does not fit"):
         make_config(plan("qwen2.5-7b", "orin-nx-8gb", weights="int4"), "c", "e")
+
+
+def test_write_reference_is_the_exported_tensors_greedy_continuation(tmp_path):
+    # deploy.sh compares the engine's greedy tokens with this file, token for token
+    from memos_edge.export_trtllm import write_reference
+    from transformers import AutoModelForCausalLM
+
+    tiny_llama(tmp_path / "hf")
+    out = convert(tmp_path / "hf", tmp_path / "ckpt", dtype="float32")
+    doc = json.loads(write_reference(out, IDS[:8].tolist(), steps=4).read_text())
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    with torch.no_grad():
+        want = hf.generate(IDS[None, :8], max_new_tokens=4, do_sample=False)[0, 8:].tolist()
+    assert doc["tokens"] == {"prompt": IDS[:8].tolist(), "greedy": want}
+    with pytest.raises(ConfigError, match="non-empty prompt"):
+        write_reference(out, [], steps=4)
