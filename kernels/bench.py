@@ -9,7 +9,7 @@ its backend recorded; each output is checked against the reference. The summary 
 fp16, ``prefill_tflops`` and the CUDA C++ teaching kernel against Triton.
 
 Without a CUDA device nothing is measured: the JSON says ``"gpu": false`` and why (the interpreter's timings
-say nothing about a GPU).
+say nothing about a GPU); ``--quick`` then runs one tiny case through Triton's interpreter to prove the command.
 """
 
 from __future__ import annotations
@@ -285,9 +285,28 @@ def skipped(reason: str) -> dict[str, Any]:
     return envelope("kernels", {"gpu": False}, [], summary)
 
 
+def interpreter_smoke() -> dict[str, Any]:
+    """Without a GPU, ``--quick``: one tiny case through Triton's interpreter, to prove the command end to end
+    (output checked, bytes counted); its timings say nothing about performance and the summary says so."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+    from memos_kernels.paged_decode import paged_decode_attention
+
+    shape = dict(batch=1, context=128, hq=4, hkv=2, d=32, dtype="float32", block=16)
+    row = decode_case(paged_decode_attention, "cpu", budget_ms=1.0, **shape)
+    copy_bps = _copy_bandwidth("cpu", 64 << 20, 1.0)
+    row["fraction_of_copy_bw"] = row["paged_gbps"] * 1e9 / copy_bps
+    summary = {"gpu": False, "device": "CPU, Triton interpreter (timings are not performance)",
+               "timer": "torch.utils.benchmark.Timer", "copy_gbps": copy_bps / 1e9,
+               "outputs_ok": row["output_ok"]}  # fmt: skip
+    return envelope("kernels", {"quick": True, "gpu": False, "cases": 1}, [row], summary)
+
+
 def run(quick: bool = False, extras: bool = True) -> dict[str, Any]:
-    """The benchmark's JSON report: :func:`measure` in the envelope, or :func:`skipped` without a CUDA device."""
+    """The benchmark's JSON report: :func:`measure` in the envelope on a GPU; without one :func:`skipped`, or
+    with ``quick`` the :func:`interpreter_smoke` case."""
     if not torch.cuda.is_available():
+        if quick:
+            return interpreter_smoke()
         return skipped("no CUDA device: the kernels' timings mean nothing in Triton's interpreter (run on a GPU)")
     return envelope("kernels", *measure(quick, extras))
 
