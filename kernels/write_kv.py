@@ -285,7 +285,9 @@ def write_kv_fp8(
 ) -> None:
     """Reshape-and-cache into fp8 e4m3 blocks (codes as uint8 ``[N, H, T, D]``) with the per-(block, head)
     scales ``[N, H]`` fp32 already in place. The caller grows a scale, and re-encodes its block, before a token
-    that needs more range is written (the quantized pool does): the kernel only encodes, saturating at ±448."""
+    that needs more range is written (the quantized pool does): the kernel only encodes, saturating at ±448 —
+    exactly ``memos_ref.quant.fp8.fp8_encode``. The scales follow the package's one fp8 law:
+    ``memos_ref.quant.fp8.fp8_block_scale`` for streamed blocks, ``fp8_scale`` for sealed ones."""
     write_quantized(write_kv_fp8_kernel, key, value, slots, (key_codes, value_codes), (key_scale, value_scale),
                     "fp8")  # fmt: skip
 
