@@ -252,3 +252,97 @@ class _NullPool:
 
     def copy_block(self, src: int, dst: int) -> None:
         pass
+
+
+# ---------------------------------------------------------------------------------------------- hot paths (issue 15)
+def _counting(monkeypatch, module, name: str) -> dict[str, int]:
+    calls = {"n": 0}
+    real = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_admit_validates_the_prompt_once_and_hashes_each_block_once(monkeypatch):
+    import memos_ref.paged.sequence as sequence_module
+
+    kv = PagedKV(SPEC, 32)
+    ids = list(range(80))
+    _written(kv, ids[:48]).free()  # 6 blocks cached
+    expected = kv.prefix_cache.hashes([*ids, *range(8)])  # 11 full blocks
+    checks = [_counting(monkeypatch, m, "check_token_ids") for m in (prefix_module, sequence_module)]
+    hashes = _counting(monkeypatch, prefix_module.hashlib, "blake2b")
+    seq = kv.new_sequence()
+    assert seq.admit(ids) == range(48, 80)  # 6 blocks reused, 4 new
+    assert sum(c["n"] for c in checks) == 1  # validated once (lookup + adopt_prefix + advance: three times)
+    assert hashes["n"] == 10  # the lookup hashes blocks 0..8; registration only block 9, the last token's
+    assert kv.prefix_cache.stats()["prefix_hit_tokens"] == 48
+    assert [kv.allocator.hash_of(b) for b in seq.block_table] == expected[:10]
+    for token in range(8):
+        seq.append_token(token)
+    assert hashes["n"] == 11 and sum(c["n"] for c in checks) == 1  # one new full block, one more link
+    assert kv.allocator.hash_of(seq.block_table[-1]) == expected[10]
+    kv.check()
+
+
+class _CountingLock:
+    def __init__(self, lock) -> None:
+        self.lock, self.entered = lock, 0
+
+    def __enter__(self):
+        self.entered += 1
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+
+def test_append_token_calls_the_allocator_only_when_a_block_fills_or_starts(monkeypatch):
+    kv = PagedKV(SPEC, 8)
+    seq = kv.new_sequence()
+    seq.admit([1, 2, 3])
+    calls = {name: _counting(monkeypatch, kv.allocator, name) for name in ("allocate", "cache_block", "cache_blocks")}
+    lock = seq._lock = _CountingLock(seq._lock)
+    for token in range(4):  # positions 3..6: inside the private tail
+        assert seq.append_token(token) == 3 + token
+    assert [c["n"] for c in calls.values()] == [0, 0, 0] and lock.entered == 0
+    seq.append_token(9)  # position 7 fills block 0: hashed and indexed
+    assert [c["n"] for c in calls.values()] == [0, 1, 0] and kv.allocator.hash_of(seq.block_table[0]) is not None
+    seq.append_token(9)  # position 8 starts block 1
+    assert [c["n"] for c in calls.values()] == [1, 1, 0] and seq.num_blocks == 2
+    assert seq.token_ids == [1, 2, 3, 0, 1, 2, 3, 9, 9] and seq.layer_tokens == [9, 9]
+    fork = seq.fork()  # a shared tail: the next token is copied on write, through the general path
+    seq.append_token(4)
+    assert seq.block_table[1] != fork.block_table[1] and seq.cow_copies == 1
+    kv.check()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(-1, 2**63 - 1), max_size=70), st.sampled_from([1, 4, 16]), st.binary(max_size=3))
+def test_iter_block_hashes_is_the_chain_of_hash_block(ids, block_size, extra):
+    """The packed-once hashing equals hashing block by block (same bytes, same chain, partial tail unhashed)."""
+    chain, parent = [], b""
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        parent = prefix_module.hash_block(parent, ids[start : start + block_size], extra)
+        chain.append(parent)
+    assert list(prefix_module.iter_block_hashes(ids, block_size, extra)) == chain
+
+
+def test_bench_allocator_reports_median_min_max_and_ours_over_each_contender(monkeypatch):
+    from memos_ref.bench import allocator as bench
+
+    runners = {"ours": bench._run_ours, "deque": bench._run_deque, "peer": bench._run_deque}
+    monkeypatch.setattr(bench, "_contenders", lambda: (runners, {"peer": "the deque baseline again"}))
+    report = bench.run(quick=True, progress=False, repeats=2)
+    for row in report["results"]:
+        assert len(row["seconds_all"]) == row["repeats"] == 2
+        assert row["seconds_min"] <= row["seconds"] <= row["seconds_max"]
+    summary = report["summary"]
+    for key in ("small", "large"):
+        low, high = summary[f"ours_over_peer_pool_{key}_min_max"]
+        assert low <= high and summary[f"ours_over_peer_pool_{key}"] > 0
+    assert report["config"]["interleaved"] is True

@@ -146,3 +146,26 @@ def test_freed_prefix_blocks_stay_cached_until_needed():
     other.reserve(32)  # needs all 4 blocks: the cached ones are evicted, their hashes forgotten
     assert len(kv.prefix_cache) == 0 and kv.allocator.evictions == 2
     kv.check()
+
+
+def test_admit_over_a_quantized_pool_with_windows_is_lookup_adopt_advance():
+    """admit's general path (a residual window to track): the same tables, windows and holds as the three calls."""
+    from memos_ref.quant import FP8E4M3
+
+    def run(fused: bool):
+        kv = PagedKV(SPEC, 16, quant=FP8E4M3(), residual_tokens=16, staging_blocks=8, fingerprint="w")
+        first = kv.new_sequence()
+        first.admit(list(range(40)))
+        first.free()
+        seq = kv.new_sequence()
+        prompt = [*range(32), 7, 7, 7]
+        if fused:
+            assert seq.admit(prompt) == range(32, 35)
+        else:
+            seq.adopt_prefix(kv.prefix_cache.lookup(prompt), prompt)
+            seq.advance(prompt[seq.num_tokens :])
+        kv.check()
+        holds = kv.pool.window_holds.tolist()
+        return seq.block_table, seq.token_ids, seq.window_start, holds, kv.allocator.indexed_blocks()
+
+    assert run(True) == run(False)

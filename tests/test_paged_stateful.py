@@ -8,8 +8,9 @@ import random
 import threading
 import time
 
+import pytest
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
@@ -172,4 +173,98 @@ def test_lookups_and_evicting_allocations_do_not_deadlock():
         t.join(timeout=20)
     assert not any(t.is_alive() for t in threads), "deadlock between the prefix cache and the allocator"
     kv.prefix_cache.hashes = real_hashes
+    kv.check()
+
+
+# ---------------------------------------------------------------------------------------------- fast paths
+# issue 15 item 1: ``admit`` (a prompt validated and hashed once) and ``append_token`` (no allocator call inside
+# a private tail) must leave exactly the state the general calls leave: lookup + adopt_prefix + reserve +
+# mark_written, and reserve(1) + mark_written per token.
+_PROMPTS = [[1, 2, 3, 0] * 6, [1, 2, 3, 0] * 4 + [3, 3], [2, 2, 1, 1] * 5, [0, 0] * 4]
+
+
+def _snapshot(kv: PagedKV, seqs: list, queue) -> tuple:
+    alloc = kv.allocator
+    events = [(e.kind, e.block, e.block_hash, e.count) for e in queue.drain()]
+    return (
+        [(s.freed, s.block_table, s.token_ids, s.num_tokens, s.num_registered, s.layer_tokens) for s in seqs],
+        list(alloc.refcount),
+        bytes(alloc.state),
+        alloc.free_blocks(),
+        alloc.cached_blocks(),
+        alloc.indexed_blocks(),
+        {b: alloc.tokens_of(b) for b in alloc.indexed_blocks()},
+        alloc.evictions,
+        kv.prefix_cache.stats(),
+        events,
+    )
+
+
+def _drive(ops: list[tuple[int, int, int]], fast: bool) -> list[tuple]:
+    """Run ``ops`` through the fast entry points or the general calls; the snapshot after every op."""
+    kv = PagedKV(SPEC, 10, fingerprint="fast-paths")
+    queue = kv.allocator.subscribe()
+    seqs: list = []
+    out = []
+    token = 0
+    for op, a, b in ops:
+        live = [s for s in seqs if not s.freed]
+        with contextlib.suppress(OutOfBlocksError):
+            if op == 0 or not live:  # a new request
+                prompt = _PROMPTS[a % len(_PROMPTS)] + [b % 4] * (b % 3)
+                if -(-len(prompt) // SPEC.block_size) > kv.allocator.num_available:
+                    raise OutOfBlocksError(0, 0)  # the general calls are not all or nothing: never refuse here
+                seq = kv.new_sequence()
+                seqs.append(seq)
+                if fast:
+                    seq.admit(prompt)
+                else:
+                    seq.adopt_prefix(kv.prefix_cache.lookup(prompt), prompt)
+                    seq.reserve(len(prompt) - seq.num_tokens, prompt[seq.num_tokens :])
+                    seq.mark_written()
+            elif op == 1:  # decode a few tokens, one at a time (often ending mid-block)
+                seq = live[a % len(live)]
+                for _ in range(b if b > 12 else b % 4):
+                    token += 1
+                    if fast:
+                        seq.append_token(token % 4)
+                    else:
+                        seq.reserve(1, [token % 4])
+                        seq.mark_written()
+            elif op == 2:
+                seqs.append(live[a % len(live)].fork())
+            elif op == 3:
+                seq = live[a % len(live)]
+                seq.truncate(seq.num_tokens * (b % 4) // 4)
+            else:
+                live[a % len(live)].free()
+        kv.check()
+        out.append(_snapshot(kv, seqs, queue))
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 7), st.integers(0, 20)), min_size=1, max_size=25))
+def test_admit_and_append_token_leave_the_state_of_the_general_calls(ops):
+    """Refcounts, free and LRU order, the hash index, evictions, hit statistics and every event, op by op."""
+    assert _drive(ops, fast=True) == _drive(ops, fast=False)
+
+
+def test_admit_out_of_blocks_changes_nothing():
+    """admit is all or nothing: refused before any reference is taken, any hit counted or any LRU order moved."""
+    kv = PagedKV(SPEC, 6, fingerprint="fast-paths")
+    first = kv.new_sequence()
+    first.admit([1, 2, 3, 0] * 6)  # 3 blocks, all cached after the free
+    head = first.block_table[:2]
+    first.free()
+    kv.new_sequence().admit([5] * 17)  # the 3 free blocks
+    queue = kv.allocator.subscribe()
+    seq = kv.new_sequence()
+    before = _snapshot(kv, [seq], queue)
+    with pytest.raises(OutOfBlocksError) as info:
+        seq.admit([1, 2, 3, 0] * 6 + [9] * 9)  # 5 blocks: 3 cached prefix blocks revived, 2 more, 0 left
+    assert info.value.needed == 2 and info.value.available == 0
+    assert _snapshot(kv, [seq], queue) == before and seq.num_tokens == 0
+    assert seq.admit([1, 2, 3, 0] * 4 + [7]) == range(16, 17)  # still usable: 2 blocks reused, 1 evicted
+    assert seq.block_table[:2] == head
     kv.check()

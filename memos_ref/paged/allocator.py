@@ -74,6 +74,7 @@ class BlockState(IntEnum):
 
 
 _FREE, _ACTIVE, _CACHED = BlockState.FREE, BlockState.ACTIVE, BlockState.CACHED
+_INT_ONLY, _ACTIVE_ONLY = {int}, {int(_ACTIVE)}
 
 #: A full block entered the prefix-hash index (``block_hash`` set).
 STORED = "stored"
@@ -459,8 +460,7 @@ class BlockAllocator:
     def _check_ids(self, blocks: Iterable[object]) -> list[int]:
         """Block ids as a list of ints, each checked like :meth:`_check_id` (plain ints in range in one pass)."""
         out = list(blocks)
-        n = self.num_blocks
-        if all(type(b) is int and 0 <= b < n for b in out):
+        if not out or (set(map(type, out)) == _INT_ONLY and min(out) >= 0 and max(out) < self.num_blocks):  # in C
             return out  # type: ignore[return-value]
         return [self._check_id(b) for b in out]
 
@@ -471,7 +471,8 @@ class BlockAllocator:
         blocks = self._check_ids(blocks)
         with self._lock:
             state, refcount = self.state, self.refcount
-            if len(set(blocks)) == len(blocks) and all(state[b] == _ACTIVE for b in blocks):  # each dropped once
+            # each dropped once, all active (checked in C: the states of the blocks are one value, ACTIVE)
+            if len(set(blocks)) == len(blocks) and (not blocks or set(map(state.__getitem__, blocks)) == _ACTIVE_ONLY):
                 self._release_all(blocks)
                 if self._pending:
                     self._dispatch()

@@ -99,11 +99,17 @@ def block_hashes(
 
 def iter_block_hashes(token_ids: Sequence[int], block_size: int, extra: bytes, parent: bytes = b"") -> Iterator[bytes]:
     """Lazily, the chained hashes of the full blocks of ``token_ids`` (``extra``: the fingerprint and salt key)."""
-    blake2b, pack = hashlib.blake2b, array
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    full = len(token_ids) // block_size
+    if not full:
+        return
+    blake2b, width = hashlib.blake2b, 8 * block_size
+    # every full block packed in one pass; each block hashes a slice of it (no per-block list and array)
+    packed = memoryview(array("q", token_ids[: full * block_size]))
+    packed = packed.cast("B")
+    for start in range(0, full * width, width):
         digest = blake2b(parent, digest_size=HASH_BYTES)
         digest.update(extra)
-        digest.update(pack("q", token_ids[start : start + block_size]).tobytes())
+        digest.update(packed[start : start + width])
         parent = digest.digest()
         yield parent
 
@@ -191,7 +197,11 @@ class PrefixCache:
         owns those references). At most ``(len - 1) // block_size`` blocks: one token is always left. The
         returned list carries the prompt's block hashes (:class:`PrefixHit`). ``count=False`` keeps the lookup
         out of the hit statistics (a prefetch is not a request)."""
-        token_ids = check_token_ids("token_ids", token_ids)
+        return self.lookup_checked(check_token_ids("token_ids", token_ids), cache_salt, count=count)
+
+    def lookup_checked(self, token_ids: list[int], cache_salt: str | None = None, *, count: bool = True) -> PrefixHit:
+        """:meth:`lookup` of ids already validated by :func:`check_token_ids` (the caller's guarantee: a prompt is
+        validated once, where it enters, and carried inward). The returned hit keeps ``token_ids`` itself."""
         check_type("cache_salt", cache_salt, (str, type(None)))
         t = self.block_size
         limit = max(0, (len(token_ids) - 1) // t)

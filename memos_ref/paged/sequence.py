@@ -30,6 +30,7 @@ from memos_ref.errors import (
     ConfigError,
     InvalidArgumentError,
     InvalidBlockError,
+    OutOfBlocksError,
     ShapeError,
     StagingFullError,
     StateError,
@@ -45,6 +46,7 @@ from memos_ref.paged.prefix import (
     PrefixCache,
     PrefixHit,
     check_token_ids,
+    hash_block,
     iter_block_hashes,
 )
 
@@ -333,24 +335,164 @@ class SequenceCache:
         bookkeeping simulation). A decode step's one token takes a short path. Returns the new positions."""
         if self._freed:
             self._check_live()
-        if type(token_ids) is list and len(token_ids) == 1:
-            token = token_ids[0]
-            if type(token) is int and UNKNOWN_TOKEN <= token <= MAX_TOKEN_ID and not self._windows:
-                with self._lock:
-                    start, t = self.num_tokens, self.block_size
-                    if start % t:  # room in the tail: unless it must be copied first, no block changes hands
-                        tail = self.block_table[-1]
-                        if self.allocator.refcount[tail] == 1 and tail not in self.allocator.hash_by_block:
-                            self.num_tokens = start + 1
-                            self.token_ids.append(token)
-                            self.layer_tokens = [start + 1] * len(self.layer_tokens)
-                            if (start + 1) % t == 0 and self.prefix_cache is not None:
-                                self._register_full_blocks()
-                            return range(start, start + 1)
         with self._lock:
+            if type(token_ids) is list and len(token_ids) == 1 and self._append_in_tail(token_ids[0]):
+                return range(self.num_tokens - 1, self.num_tokens)
             positions = self.reserve_positions(len(token_ids), token_ids)
             self.mark_written()
             return positions
+
+    def append_token(self, token: int) -> int:
+        """One decoded token's bookkeeping — :meth:`advance` of ``[token]`` — returning its position. The decode
+        hot path: while the token fits in the sequence's private tail block no block changes hands and the
+        allocator is not called; a token that starts a new block (every ``block_size``-th) allocates one; a token
+        that fills a block has it hashed (once, continuing the chain) and registered for prefix reuse.
+
+        The in-tail case takes no lock (a lock costs more than the rest of it): drive a sequence from one thread
+        at a time, as the engine and sessions do (other sequences may run concurrently; the allocator locks
+        itself, and a private, unindexed tail is touched by no other sequence)."""
+        start = self.num_tokens
+        if (  # the common case inline: room in a private, unindexed tail (what _append_in_tail checks first)
+            start % self.block_size
+            and (start + 1) % self.block_size
+            and type(token) is int
+            and UNKNOWN_TOKEN <= token <= MAX_TOKEN_ID
+            and not self._freed
+            and not self._windows
+            and self.allocator.refcount[self.block_table[-1]] == 1
+            and self.block_table[-1] not in self.allocator.hash_by_block
+        ):
+            self.token_ids.append(token)
+            self.num_tokens = start + 1
+            self.layer_tokens = [start + 1] * len(self.layer_tokens)
+            return start
+        with self._lock:
+            start = self.num_tokens
+            if self._append_in_tail(token):
+                return start
+            return self.advance([token]).start
+
+    def _append_in_tail(self, token: object) -> bool:
+        """Append ``token`` written in every layer — into the private, unindexed tail, or a new block when the tail
+        is full — for a plain valid id on a live sequence without a residual window to track; False (nothing
+        changed) otherwise: a shared or indexed tail is copied on write by the general path. Under ``_lock``."""
+        if self._freed or self._windows or type(token) is not int or not UNKNOWN_TOKEN <= token <= MAX_TOKEN_ID:
+            return False
+        start, t = self.num_tokens, self.block_size
+        if start % t:
+            tail, alloc = self.block_table[-1], self.allocator
+            if alloc.refcount[tail] != 1 or tail in alloc.hash_by_block:  # shared or indexed: copy-on-write first
+                return False
+        else:
+            self.block_table.extend(self.allocator.allocate(1))  # OutOfBlocksError before any change
+        self.num_tokens = start + 1
+        self.token_ids.append(token)
+        self.layer_tokens = [start + 1] * len(self.layer_tokens)
+        if self.prefix_cache is not None:
+            if not (start + 1) % t:
+                self._register_filled_block()
+            elif not start % t and start // t > self.num_registered:  # as mark_written after a reserve would
+                self._register_full_blocks()
+        return True
+
+    def _register_filled_block(self) -> None:
+        """The tail block just filled: register it, continuing the hash chain by one link when everything before
+        it is registered and no lookup hashed it already (the general path otherwise)."""
+        t, done, chain = self.block_size, self.num_registered, self._chain
+        full = self.num_tokens // t
+        tokens = self.token_ids[-t:]
+        lookahead = self._lookahead
+        if (
+            done != full - 1
+            or len(chain) != done
+            or UNKNOWN_TOKEN in tokens
+            or (lookahead is not None and len(lookahead[0]) >= full)
+        ):
+            self._register_full_blocks()
+            return
+        extra = self.prefix_cache.extra_key(self.cache_salt)  # type: ignore[union-attr]
+        block_hash = hash_block(chain[-1] if chain else b"", tokens, extra)
+        chain.append(block_hash)
+        self.allocator.cache_block(self.block_table[-1], block_hash, tokens)
+        self.num_registered = full
+
+    def admit(self, token_ids: Sequence[int]) -> range:
+        """A new request's bookkeeping in one call, on an empty sequence: :meth:`PrefixCache.lookup`,
+        :meth:`adopt_prefix` and :meth:`advance` of the rest, with the prompt validated once and each full block
+        hashed once (the lookup's hash chain is the sequence's; vLLM computes a request's block hashes at arrival
+        and carries them). Every token is declared written in every layer (as :meth:`advance`). Returns the
+        positions added after the reused prefix, ``range(reused, len(token_ids))``.
+
+        All or nothing: :class:`OutOfBlocksError` (the pool cannot hold the prompt even after reusing its cached
+        prefix) is raised before anything changes — no reference taken, no lookup counted."""
+        self._check_live()
+        if self.num_tokens or self.block_table:
+            raise StateError(f"admit() starts an empty sequence; this one holds {self.num_tokens} tokens")
+        ids = check_token_ids("token_ids", token_ids)
+        if self._windows:  # a quantized pool's residual windows: the general path keeps their bookkeeping
+            return self._admit_general(ids)
+        t, n, prefix, alloc = self.block_size, len(ids), self.prefix_cache, self.allocator
+        with self._lock, alloc.lock:
+            if -(-n // t) > alloc.num_available:
+                self._refuse_if_short(ids)
+            hit = prefix.lookup_checked(ids, self.cache_salt) if prefix is not None else []
+            fresh = alloc.allocate(-(-n // t) - len(hit))  # cannot fail: checked above, under the lock
+            self.block_table = [*hit, *fresh]
+            self.token_ids = ids
+            self.num_tokens = n
+            self.layer_tokens = [n] * len(self.layer_tokens)
+            self.num_registered = len(hit)
+            if prefix is not None:
+                self._chain = hit.chain  # type: ignore[attr-defined]  # the lookup's: every full block but the last token's
+                self._lookahead = None
+                self._register_full_blocks(hashed=len(self._chain))
+            return range(len(hit) * t, n)
+
+    def _admit_general(self, ids: list[int]) -> range:
+        """:meth:`admit` over a pool with residual windows: lookup, adopt, advance (the sequence is emptied again
+        if the advance fails)."""
+        with self._lock, self.allocator.lock:
+            if -(-len(ids) // self.block_size) > self.allocator.num_available:
+                self._refuse_if_short(ids)
+            if self.prefix_cache is not None:
+                hit = self.prefix_cache.lookup_checked(ids, self.cache_salt)
+                self.adopt_prefix(hit, ids)
+            start = self.num_tokens
+            try:
+                self.advance(ids[start:])
+            except BaseException:
+                if self.prefix_cache is not None:
+                    self.prefix_cache.uncount_hits(start)
+                self._reset()
+                raise
+            return range(start, len(ids))
+
+    def _reset(self) -> None:
+        """Back to an empty, live sequence (every block released)."""
+        self._unhold(self.block_table[self.window_start :])
+        self.allocator.free_many(self.block_table[::-1])
+        self.block_table, self.token_ids, self._chain = [], [], []
+        self.num_tokens = self.num_registered = self.window_start = 0
+        self.layer_tokens = [0] * len(self.layer_tokens)
+        self._lookahead = None
+
+    def _refuse_if_short(self, ids: list[int]) -> None:
+        """Raise :class:`OutOfBlocksError` (changing nothing) if ``ids`` cannot be admitted: its blocks minus its
+        cached prefix exceed the blocks available once that prefix's cached blocks are revived."""
+        t, alloc = self.block_size, self.allocator
+        hits = revived = 0
+        if self.prefix_cache is not None:
+            limit = max(0, (len(ids) - 1) // t)
+            extra = self.prefix_cache.extra_key(self.cache_salt)
+            for i, h in enumerate(iter_block_hashes(ids[: limit * t], t, extra)):
+                block = alloc.block_with_hash(h)
+                if block is None or alloc.tokens_of(block) != tuple(ids[i * t : (i + 1) * t]):
+                    break
+                hits += 1
+                revived += alloc.state[block] == BlockState.CACHED
+        needed, available = -(-len(ids) // t) - hits, alloc.num_available - revived
+        if needed > available:
+            raise OutOfBlocksError(needed=needed, available=available)
 
     def _after_all_layers(self) -> None:
         """Every layer holds every reserved token: register full blocks for prefix reuse, and let a quantized
@@ -379,7 +521,9 @@ class SequenceCache:
             if self.prefix_cache is not None and self.caught_up:
                 self._register_full_blocks()
 
-    def _register_full_blocks(self) -> None:
+    def _register_full_blocks(self, hashed: int = 0) -> None:
+        """Offer the newly full blocks with known ids to the prefix index. ``hashed``: how many leading entries of
+        ``_chain`` are known to hash this sequence's ids (beyond the registered ones, which always do)."""
         t, done = self.block_size, self.num_registered
         full = self.num_tokens // t
         if full <= done:
@@ -393,10 +537,12 @@ class SequenceCache:
         if known <= done:
             return
         # extend the hash chain from the last registered block (each block is hashed once per sequence)
-        del self._chain[done:]
+        keep = max(done, min(hashed, known))
+        del self._chain[keep:]
         stop = known * t
         ids = self.token_ids[start:stop]
-        self._chain.extend(self._lookahead_hashes(done, known))
+        if keep == done:
+            self._chain.extend(self._lookahead_hashes(done, known))
         hashed = len(self._chain) * t  # the rest is hashed now, continuing the chain
         if hashed < stop:
             parent = self._chain[-1] if self._chain else b""
@@ -465,9 +611,14 @@ class SequenceCache:
 
     def _check_held_all(self, blocks: Sequence[int]) -> list[int]:
         """Every block id allocated (see :meth:`_check_held`), as a list of ints."""
-        state, n = self.allocator.state, self.allocator.num_blocks
-        if all(type(b) is int and 0 <= b < n and state[b] == BlockState.ACTIVE for b in blocks):
-            return list(blocks)
+        out, alloc = list(blocks), self.allocator
+        if not out or (  # plain ints in range, all active: checked in C
+            set(map(type, out)) == {int}
+            and min(out) >= 0
+            and max(out) < alloc.num_blocks
+            and set(map(alloc.state.__getitem__, out)) == {int(BlockState.ACTIVE)}
+        ):
+            return out
         return [self._check_held(b) for b in blocks]
 
     def _check_held(self, block: object) -> int:
