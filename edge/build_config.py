@@ -404,6 +404,12 @@ def main(argv: list[str] | None = None) -> int:
         max_seq_len=args.max_seq_len,
         context_chunk=args.context_chunk,
     )
+    ckpt_config = Path(args.checkpoint) / "config.json"
+    if ckpt_config.is_file():  # exported here: the plugins must follow its dtype, the KV its quantization
+        try:
+            cfg.check_checkpoint(json.loads(ckpt_config.read_text()))
+        except ValueError as exc:
+            raise ConfigError(f"{ckpt_config} is not valid JSON: {exc}") from None
     out = {
         "build": shlex.join(build_command(cfg, args.dialect)),
         "run": shlex.join(run_command(cfg, args.tokenizer, args.prompt)),

@@ -222,3 +222,14 @@ def test_write_reference_is_the_exported_tensors_greedy_continuation(tmp_path):
     assert doc["tokens"] == {"prompt": IDS[:8].tolist(), "greedy": want}
     with pytest.raises(ConfigError, match="non-empty prompt"):
         write_reference(out, [], steps=4)
+
+
+def test_the_cli_checks_a_local_checkpoint(tmp_path):
+    from memos_edge.build_config import main
+
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16", "quantization": {}}))
+    args = ["--model", "smollm2-135m-instruct", "--device", "orin-nano-8gb", "--weights", "fp16", "--checkpoint",
+            str(tmp_path), "--engine", "e", "--max-seq-len", "4096", "--max-input-len", "2048"]  # fmt: skip
+    with pytest.raises(ConfigError, match="pass --dtype bfloat16"):
+        main(args)
+    assert main([*args, "--dtype", "bfloat16"]) == 0
