@@ -434,6 +434,29 @@ def test_swap_in_hashes_nothing_the_device_lookup_hashed(monkeypatch):
     kv.allocator.free_many([*hit, *more])
 
 
+def test_start_from_prefix_with_a_swap_in_hashes_the_prompt_once(monkeypatch):
+    """issue 15: PagedKV joined the device hit and the reloaded blocks into a plain list, dropping the lookup's
+    chain, so the sequence adopting them hashed the prompt again; the chain now travels with the joined blocks,
+    and the tiers plug in through paged's TierHook Protocol."""
+    from memos_ref.paged import TierHook
+
+    kv, _store, tm, clock = make(min_residency_s=0)
+    assert isinstance(tm, TierHook) and kv.tier_manager is tm
+    ids = list(range(500, 548))  # 6 full blocks
+    seq, _ = write_sequence(kv, ids)
+    seq.free()
+    tm.low, tm.high = 0.05, 0.1
+    clock.now += 1
+    tm.step()
+    assert tm.counts["swap_out_blocks"] >= 4
+    callers = _count_hashing(monkeypatch)
+    seq = kv.start_from_prefix([*ids, 7])
+    assert seq.num_tokens == 48 and tm.counts["swap_in_blocks"] >= 4
+    assert dict(callers) == {"memos_ref.paged.prefix": 1}, callers  # the device lookup's, nobody else's
+    seq.free()
+    kv.check()
+
+
 def test_a_session_prefill_with_tiering_hashes_its_prompt_in_the_lookup_only(shipped_pair, monkeypatch):
     """issue 15: with tiering a session's prompt was hashed by the lookup, again by the swap-in and again to
     label its blocks; the labels now come from the hashes its blocks are indexed under."""
@@ -446,7 +469,9 @@ def test_a_session_prefill_with_tiering_hashes_its_prompt_in_the_lookup_only(shi
     callers = _count_hashing(monkeypatch)
     session = manager.new_session(system=("a", "v1"))
     assert callers["memos_ref.paged.prefix"] == 1  # the device lookup's
-    assert not [m for m in callers if m.startswith(("memos_ref.session", "memos_ref.tiering"))], callers
+    # nobody else: not the sessions, not the tiers, and not the sequence adopting the prefix (the chain the lookup
+    # computed travels with the blocks, also when the tiers extend them)
+    assert set(callers) == {"memos_ref.paged.prefix"}, callers
     kinds = manager.tiering.kinds
     table = session.cache.sequences[0].block_table
     labelled = [kinds[manager.kv.allocator.hash_of(b)] for b in table[: len(session.token_ids) // 16]]

@@ -7,7 +7,7 @@ from memos_ref.paged.kvpool import KVPool, PoolBuilder, WindowedKVPool
 from memos_ref.paged.pool import BlockPool
 from memos_ref.paged.prefix import PrefixCache, block_hashes
 from memos_ref.paged.sequence import UNKNOWN_TOKEN, SequenceCache
-from memos_ref.paged.store import PagedKV
+from memos_ref.paged.store import PagedKV, TierHook
 
 __all__ = [
     "UNKNOWN_TOKEN",

@@ -6,8 +6,8 @@ cache, and checks the invariants over everything alive.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -16,11 +16,36 @@ from memos_ref.paged.allocator import FREED, BlockAllocator, BlockEvent
 from memos_ref.paged.check import check_invariants
 from memos_ref.paged.kvpool import KVPool, PoolBuilder
 from memos_ref.paged.pool import BlockPool
-from memos_ref.paged.prefix import PrefixCache, check_token_ids
+from memos_ref.paged.prefix import PrefixCache, PrefixHit, check_token_ids
 from memos_ref.paged.sequence import SequenceCache
 from memos_ref.spec import KVSpec
 
-__all__ = ["PagedKV"]
+__all__ = ["PagedKV", "TierHook"]
+
+
+@runtime_checkable
+class TierHook(Protocol):
+    """What the paged layer asks of the tiers below the device (``memos_ref.tiering.TierManager`` implements it and
+    attaches itself as :attr:`PagedKV.tier_manager`): declared here so paged never imports tiering."""
+
+    #: Whether its own thread drives :meth:`step` (else the engine calls it once per engine step).
+    driven_by_thread: bool
+
+    def step(self) -> object:
+        """Apply the watermarks once (swap out under pressure)."""
+        ...
+
+    def touch(self, blocks: Iterable[int], now: float | None = None) -> None:
+        """Record a use of device ``blocks`` (eviction policies rank by these)."""
+        ...
+
+    def extend_prefix(
+        self, token_ids: Sequence[int], cache_salt: str | None, device_blocks: Sequence[int]
+    ) -> list[int]:
+        """Blocks continuing ``device_blocks`` as a cached prefix of ``token_ids``, reloaded from the tiers (each
+        returned block holds one reference for the caller)."""
+        ...
+
 
 _DEBUG_EVENTS = frozenset({FREED})  # poisoning
 
@@ -72,7 +97,7 @@ class PagedKV:
             PrefixCache(self.allocator, spec.block_size, fingerprint=fingerprint) if prefix_caching else None
         )
         self.sequences: dict[int, SequenceCache] = {}
-        self.tier_manager: Any = None  # a memos_ref.tiering.TierManager attaches itself here
+        self.tier_manager: TierHook | None = None  # a memos_ref.tiering.TierManager attaches itself here
 
     @staticmethod
     def _build_pool(
@@ -157,7 +182,9 @@ class PagedKV:
         try:
             if self.tier_manager is not None:  # continue the prefix from the tiers below the device
                 self.tier_manager.touch(blocks)
-                blocks = blocks + self.tier_manager.extend_prefix(token_ids, cache_salt, blocks)
+                more = self.tier_manager.extend_prefix(token_ids, cache_salt, blocks)
+                if more:  # keep the lookup's hash chain: the sequence hashes none of the prompt again
+                    blocks = PrefixHit([*blocks, *more], blocks.chain, blocks.extra, blocks.token_ids)
             seq.adopt_prefix(blocks, token_ids)
         except BaseException:
             if not seq.block_table:  # adopt_prefix did not take them: the lookup's references are still ours
