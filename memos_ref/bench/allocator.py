@@ -31,6 +31,7 @@ trace on pools of 4,096 and 65,536 blocks.
 
 from __future__ import annotations
 
+import gc
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -463,6 +464,7 @@ def run(quick: bool = False, progress: bool = True, repeats: int | None = None) 
     for rep, pool, name in tqdm(steps, desc="bench allocator", disable=not progress):
         if rep > 0 and name in slow and pool == pools[-1] and not quick:
             continue
+        gc.collect()  # the garbage of the previous run (vLLM's pool is a cycle of Python objects) is not billed here
         out = runners[name](pool, trace, rounds)
         seconds[(name, pool)].append(out["seconds"])
         if name == "ours":
