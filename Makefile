@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.memos-ref-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup git-filter model redis browser lab test lint unit notebooks demo bench readme book clean
+.PHONY: setup git-filter model redis browser lab test lint unit notebooks demo bench readme book gpu-check clean
 
 setup: $(STAMP) git-filter model
 
@@ -110,6 +110,12 @@ bench: setup redis
 # record a result with `python -m memos_ref.bench.report record NAME [--model M]`. make test checks they agree.
 readme: setup
 	$(BIN)/python -m memos_ref.bench.report render
+
+# The one device check (issue 18): on a GPU machine, the kernel tests with the full hidden-shape matrix and the
+# kernel benchmark, one JSON summary in under 8 minutes; without a GPU it prints {"gpu": false, ...} and exits 0.
+# It uses the machine's own Python (a device image's torch/Triton), so it sets nothing up.
+gpu-check:
+	bash scripts/gpu_check.sh
 
 # The notebooks executed into a static HTML site (book/index.html): outputs, plots, the learning path, the claims.
 book: setup redis
