@@ -86,3 +86,35 @@ def test_train_script_runs_end_to_end(tmp_path):
     assert (tmp_path / "model.safetensors").exists() and (tmp_path / "training_report.json").exists()
     tiny = load_model(tmp_path)
     assert tiny(torch.tensor([[1, 2, 3]])).shape == (1, 3, ByteTokenizer().vocab_size)
+
+
+def test_config_reads_rope_through_the_one_reader():
+    """issue 16: the forward and the Jetson exporter share one RoPE reader (memos_ref.model.rope_config):
+    ``rope_parameters`` (transformers >= 5) or the older top-level keys; a scaled RoPE is refused by name."""
+    import pytest
+
+    from memos_ref.errors import ConfigError
+    from memos_ref.model.llama import LlamaConfig
+
+    base = {
+        "vocab_size": 32,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    }
+    nested = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    assert LlamaConfig.from_hf_dict(nested).rope_theta == 500000.0
+    assert LlamaConfig.from_hf_dict({**base, "rope_theta": 123.0}).rope_theta == 123.0
+    assert LlamaConfig.from_hf_dict(base).rope_theta == 10000.0
+    llama31 = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    with pytest.raises(ConfigError, match="llama3"):
+        LlamaConfig.from_hf_dict({**base, "rope_parameters": llama31})

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from memos_ref.errors import ConfigError, DTypeError, InvalidArgumentError, ShapeError, check_index, check_type
+from memos_ref.model.rope_config import read_rope_config
 from memos_ref.spec import KVSpec, dtype_from_name
 
 __all__ = ["LlamaConfig", "LlamaForward", "apply_rope", "rope_cos_sin"]
@@ -65,10 +66,11 @@ class LlamaConfig:
         model_type = cfg.get("model_type", "llama")
         if model_type not in _SUPPORTED:
             raise ConfigError(f"model_type {model_type!r} is not supported: expected one of {_SUPPORTED}")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ConfigError(f"rope type {rope_type!r} is not supported by the teaching forward: expected 'default'")
+        rope = read_rope_config(cfg)  # the one RoPE reader (also the Jetson exporter's)
+        if not rope.is_default:
+            raise ConfigError(
+                f"rope type {rope.rope_type!r} is not supported by the teaching forward: expected 'default'"
+            )
         missing = [k for k in _REQUIRED if k not in cfg]
         if missing:
             raise ConfigError(f"config is missing {missing}: a Llama-family config.json needs {list(_REQUIRED)}")
@@ -77,7 +79,6 @@ class LlamaConfig:
             model_type == "qwen2" and cfg.get("use_sliding_window") and cfg.get("sliding_window")
         ):
             window = int(cfg["sliding_window"])
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
         spec = KVSpec.from_hf_config(cfg, dtype="float32")
         bias = bool(cfg.get("attention_bias", False))
@@ -90,7 +91,7 @@ class LlamaConfig:
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
+            rope_theta=rope.theta,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=True if model_type == "qwen2" else bias,
             o_bias=bias if model_type == "llama" else False,
