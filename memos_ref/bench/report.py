@@ -88,7 +88,7 @@ def record(name: str, *, model: str | None = None, quick: bool = False, root: Pa
     cmd = [sys.executable, "-m", "memos_ref.bench", name, "--json"]
     cmd += ["--model", model] if model else []
     cmd += ["--quick"] if quick else []
-    load_before = _load_1m()
+    load_before, commit = _load_1m(), _commit(root)  # the code as it was when the run started
     started = _dt.datetime.now(_dt.UTC)
     proc = subprocess.run(cmd, cwd=root, stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
@@ -97,7 +97,7 @@ def record(name: str, *, model: str | None = None, quick: bool = False, root: Pa
     report["recorded"] = {
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "seconds": round((_dt.datetime.now(_dt.UTC) - started).total_seconds(), 1),
-        "commit": _commit(root),
+        "commit": commit,
         "load_1m_before": load_before,
         "load_1m_after": _load_1m(),
         "command": "python -m memos_ref.bench " + " ".join(cmd[3:]),
@@ -282,16 +282,20 @@ def _sharing(r: Report) -> str:
     )
     verdict = (
         f"The prefill time saved exceeds the tokens saved in {len(above)} of {len(above) + len(below)} timed cases"
-        + (f" ({', '.join(above)})" if above else "")
-        + (f"; it falls short of them in {', '.join(below)}" if below else "")
-        + ": recomputing a long prompt costs more than its share of tokens (attention is quadratic), while each"
-        " fork's task attends over the prompt through the pool."
     )
+    if above:
+        verdict += f" ({', '.join(above)}): recomputing a long prompt costs more than its share of tokens (attention"
+        verdict += " is quadratic in the prompt's length)"
+    if below:
+        verdict += f"; it falls short of them in {', '.join(below)}, where each fork's own prefill (its task attends"
+        verdict += " over the prompt gathered from the pool) weighs more than the prompt it skips"
+    verdict += "."
     return table + "\n\n" + verdict
 
 
 BLOCKS: dict[str, tuple[str, Callable[[Report], str]]] = {
     "waste": ("waste", _waste),
+    "sharing": ("sharing", _sharing),
 }
 """README block name → (result file stem, renderer)."""
 
