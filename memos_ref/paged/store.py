@@ -175,7 +175,7 @@ class PagedKV:
         if self.prefix_cache is None:
             return seq
         try:
-            blocks = self.prefix_cache.lookup(token_ids, cache_salt)
+            blocks = self.prefix_cache.lookup_checked(token_ids, cache_salt)  # validated above: once
         except BaseException:
             seq.free()  # no sequence is left behind by a failed start
             raise
