@@ -19,6 +19,7 @@ __all__ = [
     "PoolBuilder",
     "PrefixCache",
     "SequenceCache",
+    "TierHook",
     "WindowedKVPool",
     "block_hashes",
     "check_invariants",
