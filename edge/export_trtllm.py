@@ -354,11 +354,8 @@ def export_tokenizer(model_dir: str | Path, out_dir: str | Path, *, max_length: 
 
 def _kv_scales(model_dir: Path, ids: torch.Tensor | None) -> list[float]:
     """Per-layer INT8 KV scale: max(|K|, |V|) over calibration text / 127 (TensorRT-LLM's per-layer scale)."""
+    from memos_ref.bench.accuracy import calibrate_layer_scales
     from memos_ref.model import load_model, shipped_model_dir
-    try:  # moving from quant.accuracy to bench.accuracy (issue 15): either path
-        from memos_ref.bench.accuracy import calibrate_layer_scales
-    except ImportError:
-        from memos_ref.quant.accuracy import calibrate_layer_scales
 
     model = load_model(model_dir)
     if ids is None:
