@@ -293,9 +293,46 @@ def _sharing(r: Report) -> str:
     return table + "\n\n" + verdict
 
 
+_DECODE_RATIOS = [
+    ("paged_pool_size_slowdown_package", "package forward: paged in a 16× larger pool / paged", "≤ 1.1"),
+    ("paged_pool_size_slowdown_transformers", "transformers forward: paged in a 16× larger pool / paged", "≤ 1.1"),
+    ("paged_over_contiguous_ms_per_token_at_max_ctx", "package forward: paged / contiguous", "≤ 1.3"),
+    ("paged_mirror_over_contiguous_package", "package forward: paged `dense_mirror=True` / contiguous", "≤ 1.3"),
+    ("paged_over_dynamic_transformers", "transformers forward: `PagedCache` / `DynamicCache`", "≤ 1.15"),
+    (
+        "paged_mirror_over_dynamic_transformers",
+        "transformers: `PagedCache(dense_mirror=True)` / `DynamicCache`",
+        "≤ 1.15",
+    ),
+    ("dynamic_over_contiguous_ms_per_token_at_max_ctx", "transformers forward: `DynamicCache` / contiguous", ""),
+]
+
+
+def _decode(r: Report) -> str:
+    """The side-by-side ratios on the wide model at the run's longest context, and the engine's overhead."""
+    ratios, ctx = r["summary"]["ratios"], r["summary"]["max_context"]
+    body = []
+    for key, label, target in _DECODE_RATIOS:
+        stat = ratios.get(key, {}).get("wide")
+        if stat and stat.get("median") is not None:
+            body.append([label, f"{stat['median']:.2f}× [{stat['min']:.2f}–{stat['max']:.2f}]", target])
+    table = _table([f"wide model, {ctx:,} tokens: ratio", "median [min–max] of rounds", "target at 4,096"], body)
+    eng = r["summary"].get("engine")
+    if eng:
+        table += (
+            f"\n\nEngine ({eng['rows']} rows, context {eng['context']}, {eng['model']} model): per-step overhead beside"
+            f" the forward {eng['overhead_us_per_row_step']:,.0f} µs per row and step"
+            f" [{eng['overhead_us_per_row_step_min']:,.0f}–{eng['overhead_us_per_row_step_max']:,.0f}], against a"
+            f" bare contiguous forward of {eng['contiguous_forward_us_per_row_step']:,.0f} µs"
+            f" ({eng['overhead_us_per_row_step'] / eng['contiguous_forward_us_per_row_step']:.2f}× of it)."
+        )
+    return table
+
+
 BLOCKS: dict[str, tuple[str, Callable[[Report], str]]] = {
     "waste": ("waste", _waste),
     "sharing": ("sharing", _sharing),
+    "decode-quick": ("decode_quick", _decode),
 }
 """README block name → (result file stem, renderer)."""
 
