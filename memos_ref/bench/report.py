@@ -329,10 +329,65 @@ def _decode(r: Report) -> str:
     return table
 
 
+_POLICY_NAMES = {
+    "lru_k2": "recency sum K=2 (seed 001's “LRU-K”)",
+    "lru_k3": "recency sum K=3",
+    "recency_sum_2": "recency sum K=2 (seed 001's “LRU-K”)",
+    "recency_sum_3": "recency sum K=3",
+    "lru_2": "LRU-2",
+    "lru_3": "LRU-3",
+}
+
+
+def _tiering_policies(r: Report) -> str:
+    """Device hit rate (share of prompt tokens served from the device) per trace and policy — exact counts."""
+    rates = r["summary"]["hit_rate_by_policy"]
+    policies = list(next(iter(rates.values())))
+    order = ["lru", *[p for p in policies if p != "lru"]]
+    body = []
+    for trace, row in rates.items():
+        best = max(row.values())
+        body.append([trace, *[f"**{row[p]:.4f}**" if row[p] == best else f"{row[p]:.4f}" for p in order]])
+    table = _table(["trace", *[_POLICY_NAMES.get(p, p) for p in order]], body)
+    lines = []
+    for p in order[1:]:
+        deltas = [100 * (row[p] - row["lru"]) for row in rates.values()]
+        lines.append(f"{_POLICY_NAMES.get(p, p)} {' / '.join(f'{d:+.1f}' for d in deltas)}")
+    return table + "\n\nPoints against LRU (" + " / ".join(rates) + "): " + "; ".join(lines) + "."
+
+
+def _tiering_swap(r: Report) -> str:
+    reload = r["config"]["calibration"]["reload_seconds_per_block"]
+    names = {
+        "host": "host",
+        "disk": "disk (lz4; a temporary directory, reads from the page cache)",
+        "redis": "Redis on loopback (lz4)",
+    }
+    body = []
+    for row in r["results"]:
+        tier = row["tier"]
+        body.append(
+            [
+                names.get(tier, tier),
+                f"{row['swap_out_gbps']:.3f}",
+                f"{row['swap_in_gbps']:.3f}",
+                f"{1e6 * reload[tier]:,.0f} µs",
+                f"{r['summary']['break_even_tokens_' + tier]} tokens",
+            ]
+        )
+    table = _table(["tier", "swap-out GB/s", "swap-in GB/s", "reload one block", "break-even context"], body)
+    prefill = r["config"]["calibration"]["prefill_seconds"]
+    ms = " / ".join(f"{1e3 * prefill[k]:,.0f}" for k in sorted(prefill, key=int))
+    toks = " / ".join(f"{int(k):,}" for k in sorted(prefill, key=int))
+    return table + f"\n\nPrefill of the shipped model measured {ms} ms at {toks} tokens in the same run."
+
+
 BLOCKS: dict[str, tuple[str, Callable[[Report], str]]] = {
     "waste": ("waste", _waste),
     "sharing": ("sharing", _sharing),
     "decode-quick": ("decode_quick", _decode),
+    "tiering-swap": ("tiering", _tiering_swap),
+    "tiering-policies": ("tiering", _tiering_policies),
 }
 """README block name → (result file stem, renderer)."""
 
