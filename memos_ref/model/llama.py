@@ -66,7 +66,11 @@ class LlamaConfig:
         model_type = cfg.get("model_type", "llama")
         if model_type not in _SUPPORTED:
             raise ConfigError(f"model_type {model_type!r} is not supported: expected one of {_SUPPORTED}")
-        rope = read_rope_config(cfg)  # the one RoPE reader (also the Jetson exporter's)
+        declared = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        kind = declared.get("rope_type", declared.get("type", "default")) if isinstance(declared, Mapping) else None
+        if kind not in ("default", None):  # name the unsupported feature before checking its fields
+            raise ConfigError(f"rope type {kind!r} is not supported by the teaching forward: expected 'default'")
+        rope = read_rope_config(cfg)  # the one RoPE reader (also the Jetson exporter's): theta, both layouts
         if not rope.is_default:
             raise ConfigError(
                 f"rope type {rope.rope_type!r} is not supported by the teaching forward: expected 'default'"
