@@ -8,58 +8,36 @@ latency is a histogram fed by the allocator's ``allocated`` events (no wrapper a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import Histogram
+from prometheus_client.metrics_core import Metric
 
 from memos_ref.paged.allocator import ALLOCATED, BlockEvent
 from memos_ref.paged.store import PagedKV
+from memos_ref.promutil import ScrapeExporter, counter, gauge
 
 __all__ = ["PagedMetrics"]
 
-
-class _PagedCollector:
-    def __init__(self, kv: PagedKV, prefix: str) -> None:
-        self.kv, self.prefix = kv, prefix
-
-    def collect(self):
-        stats = self.kv.stats()
-        p = self.prefix
-        helps = {
-            "total": "KV blocks in the pool",
-            "active": "KV blocks held by at least one sequence",
-            "cached": "KV blocks held by nobody but kept for prefix reuse (evictable)",
-            "free": "KV blocks on the free list",
-        }
-        for state, text in helps.items():
-            yield GaugeMetricFamily(f"{p}_blocks_{state}", text, value=stats[f"blocks_{state}"])
-        yield GaugeMetricFamily(
-            f"{p}_slot_utilization", "filled token slots / slots of held blocks", value=stats["slot_utilization"]
-        )
-        yield CounterMetricFamily(
-            f"{p}_evictions", "cached blocks evicted for new allocations", value=stats["evictions"]
-        )
-        if "prefix_query_tokens" in stats:
-            yield CounterMetricFamily(
-                f"{p}_prefix_query_tokens",
-                "prompt tokens looked up in the prefix cache",
-                value=stats["prefix_query_tokens"],
-            )
-            yield CounterMetricFamily(
-                f"{p}_prefix_hit_tokens",
-                "prompt tokens reused from the prefix cache (not recomputed)",
-                value=stats["prefix_hit_tokens"],
-            )
+_BLOCKS = {
+    "total": "KV blocks in the pool",
+    "active": "KV blocks held by at least one sequence",
+    "cached": "KV blocks held by nobody but kept for prefix reuse (evictable)",
+    "free": "KV blocks on the free list",
+}
+_PREFIX_COUNTERS = {
+    "prefix_query_tokens": "prompt tokens looked up in the prefix cache",
+    "prefix_hit_tokens": "prompt tokens reused from the prefix cache (not recomputed)",
+}
 
 
-class PagedMetrics:
+class PagedMetrics(ScrapeExporter):
     """Prometheus metrics for one :class:`PagedKV` (its own registry, so several can coexist)."""
 
     def __init__(self, kv: PagedKV, prefix: str = "memos_kv") -> None:
         self.kv = kv
-        self.registry = CollectorRegistry()
-        self.registry.register(_PagedCollector(kv, prefix))
+        super().__init__(prefix)
         self.alloc_latency = Histogram(
             f"{prefix}_allocate_seconds",
             "time to allocate blocks",
@@ -76,9 +54,17 @@ class PagedMetrics:
         """Stop observing allocations (the gauges keep reading the memory at scrape time)."""
         self._events.close()
 
-    def exposition(self) -> str:
-        """The Prometheus text exposition (what a ``/metrics`` endpoint serves)."""
-        return generate_latest(self.registry).decode()
+    def families(self) -> Iterator[Metric]:
+        stats = self.kv.stats()
+        for state, text in _BLOCKS.items():
+            yield gauge(self.name(f"blocks_{state}"), text, stats[f"blocks_{state}"])
+        yield gauge(
+            self.name("slot_utilization"), "filled token slots / slots of held blocks", stats["slot_utilization"]
+        )
+        yield counter(self.name("evictions"), "cached blocks evicted for new allocations", stats["evictions"])
+        for name, text in _PREFIX_COUNTERS.items():
+            if name in stats:
+                yield counter(self.name(name), text, stats[name])
 
     def snapshot(self) -> dict[str, Any]:
         """The same figures as a dict."""

@@ -19,6 +19,7 @@ import warnings
 import pytest
 
 from memos_ref.errors import (
+    ArgumentTypeError,
     BackendDegradedWarning,
     BackendUnavailableError,
     CapacityExceededError,
@@ -194,6 +195,91 @@ def test_metrics_exposition(harness):
     assert f'memos_memory_hits_total{{backend="{b.name}"}} 1.0' in text
     assert f'memos_memory_misses_total{{backend="{b.name}"}} 1.0' in text
     assert f'memos_memory_entries{{backend="{b.name}"}} 1.0' in text
+
+
+def _increment_concurrently(increment, threads: int, rounds: int) -> None:
+    """``threads`` threads call ``increment()`` ``rounds`` times each, released together."""
+    start = threading.Barrier(threads)
+
+    def worker():
+        start.wait()
+        for _ in range(rounds):
+            increment()
+
+    workers = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+
+
+def _bump(n: int) -> int:
+    time.sleep(0)  # give the GIL away inside the read-modify-write: a non-atomic update would lose writes here
+    return n + 1
+
+
+def test_update_is_atomic_under_threads(harness):
+    """N threads x M increments through ``update`` end at exactly N*M (the shard lock, or WATCH/MULTI on Redis)."""
+    b = harness.make()
+    threads, rounds = (8, 200) if harness.kind == "memory" else (4, 25)
+    _increment_concurrently(lambda: b.update("tool_calls", _bump, default=0), threads, rounds)
+    assert b.get("tool_calls") == threads * rounds
+
+
+def test_get_then_set_loses_updates_which_update_does_not(harness):
+    """Why ``update`` exists: a ``get`` then a ``set`` is two operations, and when every thread reads before any
+    writes (forced here by a barrier between the two), N increments leave the counter at 1."""
+    b = harness.make()
+    threads = 4
+    b.set("n", 0)
+    window = threading.Barrier(threads)
+
+    def get_then_set():
+        seen = b.get("n")
+        window.wait()  # every thread has read before any writes
+        b.set("n", seen + 1)
+
+    _increment_concurrently(get_then_set, threads, 1)
+    assert b.get("n") == 1  # threads - 1 updates lost
+    b.set("n", 0)
+    _increment_concurrently(lambda: b.update("n", _bump), threads, 1)
+    assert b.get("n") == threads
+
+
+def test_update_default_ttl_and_result(harness):
+    b = harness.make(default_ttl=2 * U)
+    assert b.update("log", lambda calls: [*calls, "search"], default=[]) == ["search"]
+    assert b.update("log", lambda calls: [*calls, "read"], default=[]) == ["search", "read"]
+    assert b.get("log") == ["search", "read"]
+    assert b.update("forever", lambda _: 1, ttl=None) == 1 and b.ttl("forever") is None
+    harness.advance(3)
+    assert b.get("log") is None  # the write restarted the default TTL, which has now passed
+    assert b.update("log", lambda calls: [*calls, "again"], default=[]) == ["again"]  # expired: default again
+    stats = b.stats()
+    assert stats["sets"] == 4 and stats["hits"] >= 1
+
+
+def test_update_that_fails_changes_nothing(harness):
+    b = harness.make(max_value_bytes=64)
+    b.set("k", "small")
+    before = b.stats()["sets"]
+
+    def explode(_):
+        raise ValueError("tool failed")
+
+    with pytest.raises(ValueError, match="tool failed"):
+        b.update("k", explode)
+    with pytest.raises(CapacityExceededError, match="largest allowed is 64"):
+        b.update("k", lambda v: v * 100)
+    with pytest.raises(ConfigError, match="not JSON-serialisable"):
+        b.update("k", lambda v: {v})
+    with pytest.raises(ArgumentTypeError, match="fn: expected a callable"):
+        b.update("k", "not callable")
+    with pytest.raises(ConfigError, match="invalid key"):
+        b.update("has space", _bump, default=0)
+    with pytest.raises(InvalidArgumentError, match="ttl must be a finite number"):
+        b.update("k", _bump, ttl=0)
+    assert b.get("k") == "small" and b.stats()["sets"] == before
 
 
 # ---------------------------------------------------------------------- Redis only

@@ -196,7 +196,7 @@ def test_ttl_jitter_spreads_expiry():
     store = ShardedStore(shards=1, ttl_jitter=0.2, seed=3, default_ttl=100)
     for i in range(50):
         store.set(f"k{i}", i)
-    expiries = {round(e.expire_at - e.created, 3) for e in store.shards[0]._entries.values()}
+    expiries = {round(e.expire_at - e.created, 3) for e in store.shards[0].entries()}
     assert len(expiries) > 40 and all(80 <= x <= 120 for x in expiries)
 
 
@@ -236,3 +236,34 @@ def test_frequency_keeps_hot_entries_through_scans():
     assert rates["lfu"]["hit_rate_hot"] > rates["lru"]["hit_rate_hot"]  # scans flush LRU's hot entries
     assert all(r["hit_rate_scan"] == 0 for r in rates.values())  # one-off reads can never hit
     assert max(r["hit_rate"] for r in rates.values()) == rates["unbounded"]["hit_rate"]
+
+
+def test_public_accessors_for_inspection():
+    """Notebook 10 reads the heap size, the entries and the stored TTLs through these, not private attributes."""
+    clock = FakeClock()
+    store = TTLStore(clock=clock, default_ttl=60)
+    store.set("a", 1)
+    store.set("b", 2)
+    store.set("a", 3)  # the overwrite leaves a stale heap record behind
+    assert store.heap_size == 3 and len(store) == 2
+    entries = store.entries()
+    assert [e.key for e in entries] == ["b", "a"]  # least recently used first
+    assert store.bytes == sum(e.size_bytes for e in entries)
+    entries[0].access_count = 99  # a copy: the store is unchanged
+    assert store.entry("b").access_count == 0
+    clock.now += 61
+    assert store.sweep() == 2 and store.heap_size == 0 and store.entries() == []
+    jittered = ShardedStore(shards=1, ttl_jitter=0.25, seed=1, default_ttl=40)
+    draws = [jittered.ttl_for_store() for _ in range(200)]
+    assert all(30 <= t <= 50 for t in draws) and max(draws) - min(draws) > 10
+    assert jittered.ttl_for_store(None) is None  # "never expires" is not jittered
+    assert ShardedStore(shards=1, default_ttl=40).ttl_for_store() == 40
+
+
+def test_ttlstore_update_reads_default_and_rolls_back_on_error():
+    store = TTLStore(clock=FakeClock(), default_ttl=60)
+    assert store.update("n", lambda n: n + 1, default=0) == 1
+    assert store.update("n", lambda n: n + 1, default=0) == 2
+    with pytest.raises(ZeroDivisionError):
+        store.update("n", lambda n: n / 0)
+    assert store.get("n") == 2 and store.stats["sets"] == 2

@@ -1,6 +1,7 @@
 """CacheBackend: one interface for the short-term memory store, whatever holds the bytes (seed 002 §5.2).
 
-A backend implements five primitives — ``get``, ``set``, ``delete``, ``ttl`` (seconds left) and ``clear`` —
+A backend implements six primitives — ``get``, ``set``, ``update`` (an atomic read-modify-write), ``delete``,
+``ttl`` (seconds left) and ``clear`` —
 plus ``_counters()`` for its stats. Everything that must behave the same on every backend is written once
 here: TTL jitter, single-flight ``get_or_compute`` and negative caching of misses (seed 002 §5.3), batched
 forms, and the stats API. :class:`~memos_ref.memory.sharded.MemoryBackend` keeps entries in this process;
@@ -87,6 +88,15 @@ class CacheBackend(ABC):
         """Seconds left before ``key`` expires; None if it never expires. Raises KeyError if absent."""
 
     @abstractmethod
+    def update(self, key: str, fn: Callable[[Any], Any], default: Any = None, ttl: float | None = DEFAULT) -> Any:  # type: ignore[assignment]
+        """Atomic read-modify-write: store ``fn(current)`` where ``current`` is the live value (``default`` if
+        absent or expired) and return it; no write by another caller can land between the read and the write,
+        so concurrent updates are never lost (a ``get`` then a ``set`` loses them). The write restarts the TTL
+        like ``set``. If ``fn`` raises, or its result is refused (not JSON, too large), nothing is stored and the
+        error reaches the caller. ``fn`` must be quick and must not call this store: it runs under the key's lock
+        (in memory) or may be retried (on Redis, when another client wrote the key meanwhile)."""
+
+    @abstractmethod
     def clear(self) -> None:
         """Remove every entry of this store (only this store's namespace on a shared server)."""
 
@@ -99,8 +109,9 @@ class CacheBackend(ABC):
         sentinel = object()
         return self.get(key, sentinel) is not sentinel
 
-    def _ttl_to_store(self, ttl: float | type(...) | None) -> float | None:
-        """Resolve the default and apply jitter. A TTL that is not a finite number of seconds in
+    def ttl_for_store(self, ttl: float | type(...) | None = DEFAULT) -> float | None:
+        """The TTL a write given ``ttl`` stores: the default resolved, then jittered (each call draws a new
+        factor, as each write does). A TTL that is not a finite number of seconds in
         ``(0, MAX_TTL_S]`` (``inf``, NaN, zero, negative, beyond Redis's range) raises
         :class:`~memos_ref.errors.InvalidArgumentError` on every backend, before anything is stored."""
         ttl = validate_ttl(self.default_ttl if ttl is DEFAULT else ttl)

@@ -9,10 +9,12 @@ Counters: ``{prefix}_hits``, ``_misses``, ``_sets``, ``_deletes``, ``_expiration
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from collections.abc import Iterator
+
+from prometheus_client.metrics_core import Metric
 
 from memos_ref.memory.backend import CacheBackend
+from memos_ref.promutil import ScrapeExporter, counter, gauge
 
 __all__ = ["MemoryMetrics"]
 
@@ -29,48 +31,40 @@ _COUNTERS = {
     "corrupt": "stored values that could not be read back (not JSON, too large): answered as misses",
 }
 _EVICTIONS = {"evictions_entries": "entries", "evictions_bytes": "bytes"}
+_GAUGES = (
+    ("size", "entries", "live entries"),
+    ("bytes", "bytes", "bytes held (JSON values + keys)"),
+    ("degraded", "degraded", "1 while the backend is unreachable"),
+)
 
 
-class _Collector:
-    def __init__(self, backend: CacheBackend, prefix: str) -> None:
-        self.backend, self.prefix = backend, prefix
-
-    def collect(self):
-        stats, p = self.backend.stats(), self.prefix
-        labels = ["backend"]
-        for name, text in _COUNTERS.items():
-            if name in stats:
-                family = CounterMetricFamily(f"{p}_{name}", text, labels=labels)
-                family.add_metric([self.backend.name], stats[name])
-                yield family
-        evictions = CounterMetricFamily(f"{p}_evictions", "entries evicted to fit a limit", labels=[*labels, "reason"])
-        for name, reason in _EVICTIONS.items():
-            evictions.add_metric([self.backend.name, reason], stats.get(name, 0))
-        yield evictions
-        kinds = sorted(k for k in stats if k.startswith("errors_"))
-        if kinds:
-            by_kind = CounterMetricFamily(f"{p}_errors_by_kind", "failed calls by error kind", labels=[*labels, "kind"])
-            for name in kinds:
-                by_kind.add_metric([self.backend.name, name[len("errors_") :]], stats[name])
-            yield by_kind
-        for name, metric, text in (
-            ("size", "entries", "live entries"),
-            ("bytes", "bytes", "bytes held (JSON values + keys)"),
-            ("degraded", "degraded", "1 while the backend is unreachable"),
-        ):
-            if name in stats:
-                gauge = GaugeMetricFamily(f"{p}_{metric}", text, labels=labels)
-                gauge.add_metric([self.backend.name], stats[name])
-                yield gauge
-
-
-class MemoryMetrics:
+class MemoryMetrics(ScrapeExporter):
     """Prometheus metrics for one backend (its own registry). ``exposition()`` is what ``/metrics`` serves."""
 
     def __init__(self, backend: CacheBackend, prefix: str = "memos_memory") -> None:
         self.backend = backend
-        self.registry = CollectorRegistry()
-        self.registry.register(_Collector(backend, prefix))
+        super().__init__(prefix)
 
-    def exposition(self) -> str:
-        return generate_latest(self.registry).decode()
+    def families(self) -> Iterator[Metric]:
+        stats, who = self.backend.stats(), self.backend.name
+        labels = ["backend"]
+        for name, text in _COUNTERS.items():
+            if name in stats:
+                yield counter(self.name(name), text, labels=labels, samples=[([who], stats[name])])
+        yield counter(
+            self.name("evictions"),
+            "entries evicted to fit a limit",
+            labels=[*labels, "reason"],
+            samples=[([who, reason], stats.get(name, 0)) for name, reason in _EVICTIONS.items()],
+        )
+        kinds = sorted(k for k in stats if k.startswith("errors_"))
+        if kinds:
+            yield counter(
+                self.name("errors_by_kind"),
+                "failed calls by error kind",
+                labels=[*labels, "kind"],
+                samples=[([who, name[len("errors_") :]], stats[name]) for name in kinds],
+            )
+        for name, metric, text in _GAUGES:
+            if name in stats:
+                yield gauge(self.name(metric), text, labels=labels, samples=[([who], stats[name])])

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from memos_ref.errors import ConfigError, check_type
+from memos_ref.errors import ArgumentTypeError, ConfigError, check_type
 from memos_ref.memory.backend import DEFAULT, CacheBackend, key_list
 from memos_ref.memory.store import encode_value, validate_key
 from memos_ref.resilient import DEFAULT_FAILURE_THRESHOLD, DEFAULT_TIMEOUT_S, ResilientRedis, ttl_to_px
@@ -137,7 +137,7 @@ class RedisBackend(CacheBackend):
     def set(self, key: str, value: Any, ttl: float | None = DEFAULT) -> None:  # type: ignore[assignment]
         rkey = self._key(key)
         payload = encode_value(key, value, self.max_value_bytes)
-        px = ttl_to_px(self._ttl_to_store(ttl))
+        px = ttl_to_px(self.ttl_for_store(ttl))
         if self._call(lambda: self.client.set(rkey, payload, px=px), None) is None:
             self._count("dropped_sets")
         else:
@@ -151,6 +151,43 @@ class RedisBackend(CacheBackend):
             self._count("misses")
             return default
         self._count("hits")
+        return value
+
+    def update(self, key: str, fn: Callable[[Any], Any], default: Any = None, ttl: float | None = DEFAULT) -> Any:  # type: ignore[assignment]
+        """Atomic read-modify-write by optimistic locking: ``WATCH`` the key, read it, compute ``fn`` here, then
+        ``MULTI``/``SET``/``EXEC``; if another client wrote the key in between, ``EXEC`` fails and the whole
+        step is retried, so ``fn`` may run more than once. While the server is unreachable the write is dropped
+        (counted ``dropped_sets``) and ``fn(default)`` is returned, as ``get`` answers a miss."""
+        if not callable(fn):
+            raise ArgumentTypeError(f"fn: expected a callable, got {type(fn).__name__} ({fn!r:.80})")
+        from redis.exceptions import WatchError  # redis is imported when a client is made, not with this module
+
+        rkey, px = self._key(key), ttl_to_px(self.ttl_for_store(ttl))
+        sentinel = object()
+        reads: list[bool] = []  # hit or miss of the read that the committed write was based on
+
+        def read_modify_write() -> Any:
+            with self.client.pipeline() as pipe:
+                while True:
+                    try:
+                        pipe.watch(rkey)
+                        current = self._decode(pipe.getrange(rkey, 0, self.max_value_bytes), sentinel)
+                        reads[:] = [current is not sentinel]
+                        value = fn(default if current is sentinel else current)
+                        payload = encode_value(key, value, self.max_value_bytes)
+                        pipe.multi()
+                        pipe.set(rkey, payload, px=px)
+                        pipe.execute()
+                        return value
+                    except WatchError:
+                        self._count("update_retries")
+
+        value = self._call(read_modify_write, sentinel)
+        if value is sentinel:
+            self._count("dropped_sets")
+            return fn(default)
+        self._count("hits" if reads[0] else "misses")
+        self._count("sets")
         return value
 
     def delete(self, key: str) -> bool:
@@ -208,7 +245,7 @@ class RedisBackend(CacheBackend):
         prepared = []
         for key, value in items.items():  # validate everything before writing anything
             rkey, payload = self._key(key), encode_value(key, value, self.max_value_bytes)
-            prepared.append((rkey, payload, ttl_to_px(self._ttl_to_store(ttl))))
+            prepared.append((rkey, payload, ttl_to_px(self.ttl_for_store(ttl))))
 
         def write() -> list:
             pipe = self.client.pipeline(transaction=False)

@@ -8,9 +8,10 @@ from __future__ import annotations
 import threading
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
-from memos_ref.errors import ConfigError, check_type
+from memos_ref.errors import ArgumentTypeError, ConfigError, check_type
 from memos_ref.memory.backend import DEFAULT, MISSING, CacheBackend
 from memos_ref.memory.store import TTLStore, validate_key
 
@@ -51,7 +52,7 @@ class ShardedStore(CacheBackend):
 
     def set(self, key: str, value: Any, ttl: float | None = DEFAULT) -> None:  # type: ignore[assignment]
         i = self._shard(key)
-        ttl = self._ttl_to_store(ttl)
+        ttl = self.ttl_for_store(ttl)
         with self.locks[i]:
             self.shards[i].set(key, value, ttl)
 
@@ -59,6 +60,15 @@ class ShardedStore(CacheBackend):
         i = self._shard(key)
         with self.locks[i]:
             return self.shards[i].get(key, default)
+
+    def update(self, key: str, fn: Callable[[Any], Any], default: Any = None, ttl: float | None = DEFAULT) -> Any:  # type: ignore[assignment]
+        """Atomic read-modify-write under the key's shard lock (see :meth:`CacheBackend.update`)."""
+        if not callable(fn):
+            raise ArgumentTypeError(f"fn: expected a callable, got {type(fn).__name__} ({fn!r:.80})")
+        i = self._shard(key)
+        ttl = self.ttl_for_store(ttl)
+        with self.locks[i]:
+            return self.shards[i].update(key, fn, default, ttl)
 
     def delete(self, key: str) -> bool:
         i = self._shard(key)

@@ -215,10 +215,29 @@ class TTLStore:
         self._heap.clear()
         self.bytes = 0
 
+    def update(self, key: str, fn: Callable[[Any], Any], default: Any = None, ttl: float | None = ...) -> Any:  # type: ignore[assignment]
+        """Store and return ``fn(current)`` (``current``: the live value, or ``default``). One shard is not
+        thread-safe: :meth:`ShardedStore.update` runs this under the shard's lock. If ``fn`` raises or its
+        result is refused, the store is unchanged (the read still counts a hit or a miss)."""
+        if not callable(fn):
+            raise ArgumentTypeError(f"fn: expected a callable, got {type(fn).__name__} ({fn!r:.80})")
+        value = fn(self.get(key, default))
+        self.set(key, value, ttl)
+        return value
+
     def entry(self, key: str) -> KVEntry | None:
         """The entry's metadata (a copy), for inspection."""
         entry = self._entries.get(key)
         return None if entry is None else KVEntry(**vars(entry))
+
+    def entries(self) -> list[KVEntry]:
+        """Copies of every entry's metadata (expired ones not yet swept included), least recently used first."""
+        return [KVEntry(**vars(entry)) for entry in self._entries.values()]
+
+    @property
+    def heap_size(self) -> int:
+        """Records in the expiry heap, stale ones (overwritten or deleted keys) included until a sweep."""
+        return len(self._heap)
 
     # ------------------------------------------------------------------ expiry and eviction
     def sweep(self) -> int:

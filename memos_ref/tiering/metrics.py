@@ -7,9 +7,11 @@ swapped out and in, write-backs on eviction, tokens reloaded and recomputed, dam
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from collections.abc import Iterator
 
+from prometheus_client.metrics_core import Metric
+
+from memos_ref.promutil import ScrapeExporter, counter, gauge
 from memos_ref.tiering.manager import TierManager
 
 __all__ = ["TierMetrics"]
@@ -28,41 +30,31 @@ _COUNTERS = {
 }
 
 
-class _Collector:
-    def __init__(self, tm: TierManager, prefix: str) -> None:
-        self.tm, self.prefix = tm, prefix
-
-    def collect(self):
-        stats, p = self.tm.stats(), self.prefix
-        yield GaugeMetricFamily(
-            f"{p}_device_utilization", "(active + cached) / total device blocks", value=stats["device_utilization"]
-        )
-        yield GaugeMetricFamily(
-            f"{p}_swap_rate", "blocks swapped per second over the last 10 s", value=stats["swap_rate_per_s"]
-        )
-        for name, text in _COUNTERS.items():
-            yield CounterMetricFamily(f"{p}_{name}", text, value=stats.get(name, 0))
-        blocks = GaugeMetricFamily(f"{p}_tier_blocks", "blocks held by a tier", labels=["tier"])
-        size = GaugeMetricFamily(f"{p}_tier_bytes", "bytes held by a tier (encoded)", labels=["tier"])
-        corrupt = CounterMetricFamily(
-            f"{p}_tier_corrupt", "damaged or foreign copies found (read as misses)", labels=["tier"]
-        )
-        degraded = GaugeMetricFamily(f"{p}_tier_degraded", "1 while a tier is unreachable", labels=["tier"])
-        for tier, t in stats["tiers"].items():
-            blocks.add_metric([tier], t.get("blocks", 0))
-            size.add_metric([tier], t.get("bytes", 0))
-            corrupt.add_metric([tier], t.get("corrupt", 0))
-            degraded.add_metric([tier], t.get("degraded", 0))
-        yield from (blocks, size, corrupt, degraded)
+_PER_TIER = (
+    (gauge, "tier_blocks", "blocks held by a tier", "blocks"),
+    (gauge, "tier_bytes", "bytes held by a tier (encoded)", "bytes"),
+    (counter, "tier_corrupt", "damaged or foreign copies found (read as misses)", "corrupt"),
+    (gauge, "tier_degraded", "1 while a tier is unreachable", "degraded"),
+)
 
 
-class TierMetrics:
+class TierMetrics(ScrapeExporter):
     """Prometheus metrics for one :class:`TierManager` (its own registry)."""
 
     def __init__(self, tm: TierManager, prefix: str = "memos_tier") -> None:
         self.tm = tm
-        self.registry = CollectorRegistry()
-        self.registry.register(_Collector(tm, prefix))
+        super().__init__(prefix)
 
-    def exposition(self) -> str:
-        return generate_latest(self.registry).decode()
+    def families(self) -> Iterator[Metric]:
+        stats = self.tm.stats()
+        yield gauge(
+            self.name("device_utilization"),
+            "(active + cached) / total device blocks",
+            stats["device_utilization"],
+        )
+        yield gauge(self.name("swap_rate"), "blocks swapped per second over the last 10 s", stats["swap_rate_per_s"])
+        for name, text in _COUNTERS.items():
+            yield counter(self.name(name), text, stats.get(name, 0))
+        tiers = stats["tiers"].items()
+        for make, name, text, key in _PER_TIER:
+            yield make(self.name(name), text, labels=["tier"], samples=[([tier], t.get(key, 0)) for tier, t in tiers])
