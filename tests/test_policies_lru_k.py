@@ -94,3 +94,15 @@ def test_lru_k1_is_lru() -> None:
     histories = [_history(3, 9), _history(5), _history(1, 2, 7)]
     by_lru = sorted(range(3), key=lambda i: priority_function("lru")(histories[i], 10))
     assert sorted(range(3), key=lambda i: lru_k(1)(histories[i], 10)) == by_lru
+
+
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=40), st.integers(1, 4), st.integers(40, 60))
+def test_the_crp_0_fast_path_ranks_as_the_replayed_history(times: list[int], k: int, now: int) -> None:
+    # repeated times are one reference (crp 0 still merges equal times): the fast path must agree with the replay
+    h = _history(*sorted(times))
+    hist, last = lru_k_history(h.uses, k)
+    got = lru_k(k)(h, now)
+    if len(hist) >= k:
+        assert got == hist[k - 1]
+    else:  # infinite backward K-distance: below every finite score, least recently used lowest
+        assert got < -1e11 and got - lru_k(k)(_history(last + 1), now) == -1

@@ -10,7 +10,12 @@ prefetch on the agent traces, and the check that tiering never changes an output
   (the shipped model's dtype) and the same values in fp16 and bf16, beside seed 001's LZ4 2.1× / Zstd 3.3×.
 * Policies: :mod:`memos_ref.tiering.simulate` on the ``chat``, ``multi_agent`` and ``tool_heavy`` traces, four
   users of each active at once (:func:`interleaved_trace`), at device capacities of 1, 1.5, 2 and 3 times the
-  largest prompt; exact counts.
+  largest prompt; and on :func:`~memos_ref.tiering.simulate.scan_trace` (``scan``: a hot working set of 16 blocks
+  interleaved with one-time scans of 48 blocks a round) at 1, 1.5, 2 and 3 times the hot set. Exact counts
+  (seeded traces, block-level simulation); each row's ``headline`` marks the capacity the summary quotes (1× the
+  largest prompt; 1.5× the hot set for ``scan``: the hot set plus room for the scan's current prompt). Evicted
+  blocks keep their reference history (LRU-K's retained information period); ``retention`` shows, on ``scan``,
+  what the history-based policies score when it is forgotten at eviction instead.
 * Prefetch: the Markov predictor (window 5, threshold 0.6, 8 blocks — seed 001's defaults — and window 3).
 * Outputs: four sessions taking turns on a pool too small for them, with host + disk tiers, against the same
   sessions on a large pool without tiering.
@@ -31,12 +36,17 @@ from memos_ref.session import SessionLayout
 from memos_ref.tiering.backends import DiskBackend, HostMemoryBackend, RedisTierBackend
 from memos_ref.tiering.codecs import CODECS, get_codec
 from memos_ref.tiering.manager import TierManager
-from memos_ref.tiering.simulate import MarkovPredictor, interleaved_trace, requests_from_trace, simulate
+from memos_ref.tiering.simulate import MarkovPredictor, interleaved_trace, requests_from_trace, scan_trace, simulate
 from memos_ref.tiering.store import Tier, TierStore
 
-__all__ = ["codec_table", "human", "plot", "real_blocks", "run"]
+__all__ = ["POLICIES", "SCAN", "codec_table", "human", "plot", "real_blocks", "run", "scan_policies"]
 
-POLICIES = ("lru", "lru_k2", "lru_k3", "lfu", "hybrid", "priority")
+#: Policies compared: LRU, real LRU-K (K = 2, 3), seed 001's recency sum (which it calls "LRU-K"), LFU, seed 002's
+#: hybrid, and the kind-priority policy.
+POLICIES = ("lru", "lru_2", "lru_3", "recency_sum_2", "recency_sum_3", "lfu", "hybrid", "priority")
+
+#: The scan-heavy trace's parameters (:func:`memos_ref.tiering.simulate.scan_trace`).
+SCAN = {"hot": 8, "hot_blocks": 2, "scan_per_hot": 3, "scan_blocks": 2, "rounds": 12, "seed": 0}
 
 
 def real_blocks(model: Any, tokens: int) -> tuple[Any, list[torch.Tensor]]:
@@ -97,6 +107,46 @@ def codec_table(spec: Any, blocks: list[torch.Tensor], quick: bool) -> list[dict
     return rows
 
 
+def _row(trace: str, capacity: str, cap: int, policy: str, reqs: list, headline: bool) -> dict[str, Any]:
+    with_tier = simulate(reqs, device_blocks=cap, policy=policy)
+    no_tier = simulate(reqs, device_blocks=cap, policy=policy, tier=False)
+    return {
+        "trace": trace,
+        "capacity": capacity,
+        "headline": headline,
+        "device_blocks": cap,
+        "policy": policy,
+        "device_hit_rate": with_tier["device_hit_rate"],
+        "device_hit_tokens": round(with_tier["device_hit_rate"] * with_tier["prompt_tokens"]),
+        "prompt_tokens": with_tier["prompt_tokens"],
+        "hit_rate_with_tier": with_tier["hit_rate"],
+        "bytes_moved": with_tier["bytes_moved"],
+        "hit_rate_no_tier": no_tier["hit_rate"],
+        "recomputed_tokens_no_tier": no_tier["recomputed_tokens"],
+        "recomputed_tokens_with_tier": with_tier["recomputed_tokens"],
+    }
+
+
+def scan_policies() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every policy on the scan-heavy trace (:data:`SCAN`) at 1, 1.5, 2 and 3 times the hot set; and, at the
+    headline capacity, the history-based policies with the history of evicted blocks kept and forgotten."""
+    reqs = scan_trace(**SCAN)
+    hot_set = SCAN["hot"] * SCAN["hot_blocks"]
+    rows = []
+    for factor in (1.0, 1.5, 2.0, 3.0):
+        cap = int(hot_set * factor)
+        for policy in POLICIES:
+            rows.append(_row("scan", f"{factor:g}x hot set", cap, policy, reqs, headline=factor == 1.5))
+    cap = int(hot_set * 1.5)
+    retention = []
+    for policy in ("lru", "lru_2", "lru_3", "recency_sum_2", "lfu"):
+        kept = simulate(reqs, device_blocks=cap, policy=policy)["device_hit_rate"]
+        forgotten = simulate(reqs, device_blocks=cap, policy=policy, retained_period=0)["device_hit_rate"]
+        row = {"trace": "scan", "device_blocks": cap, "policy": policy}
+        retention.append({**row, "history_kept": kept, "history_forgotten": forgotten})
+    return rows, retention
+
+
 def _policies(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     rows, prefetch_rows = [], []
     for trace in ("chat", "multi_agent", "tool_heavy"):
@@ -106,22 +156,7 @@ def _policies(quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         for factor in (1.0, 1.5, 2.0, 3.0):
             cap = int(largest * factor)
             for policy in POLICIES:
-                with_tier = simulate(reqs, device_blocks=cap, policy=policy)
-                no_tier = simulate(reqs, device_blocks=cap, policy=policy, tier=False)
-                rows.append(
-                    {
-                        "trace": trace,
-                        "capacity": f"{factor:g}x largest prompt",
-                        "device_blocks": cap,
-                        "policy": policy,
-                        "device_hit_rate": with_tier["device_hit_rate"],
-                        "hit_rate_with_tier": with_tier["hit_rate"],
-                        "bytes_moved": with_tier["bytes_moved"],
-                        "hit_rate_no_tier": no_tier["hit_rate"],
-                        "recomputed_tokens_no_tier": no_tier["recomputed_tokens"],
-                        "recomputed_tokens_with_tier": with_tier["recomputed_tokens"],
-                    }
-                )
+                rows.append(_row(trace, f"{factor:g}x largest prompt", cap, policy, reqs, headline=factor == 1.0))
         base = simulate(reqs, device_blocks=largest, policy="lru")
         for window in (3, 5):
             p = simulate(reqs, device_blocks=largest, policy="lru", prefetch=MarkovPredictor(window, 0.6))
@@ -199,6 +234,8 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
                 tiers[-1].backend.clear()
         bar.update()
         policies, prefetch = _policies(quick)
+        scan_rows, retention = scan_policies()
+        policies += scan_rows
         bar.update()
     finally:
         if server is not None:
@@ -217,7 +254,7 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
     bw = {r["tier"]: r for r in bandwidth}
     hit_by_policy: dict[str, dict[str, float]] = {}
     for r in policies:
-        if r["capacity"] == "1x largest prompt":
+        if r["headline"]:
             hit_by_policy.setdefault(r["trace"], {})[r["policy"]] = round(r["device_hit_rate"], 4)
     summary: dict[str, Any] = {
         "host_swap_gbps": round(bw["host"]["swap_in_gbps"], 3),
@@ -229,6 +266,7 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
         "hit_rate_by_policy": hit_by_policy,
         "codec_ratio": {r["codec"]: round(r["ratio"], 3) for r in codecs if r["dtype"] == "float16"},
         "codec_ratio_fp32": {r["codec"]: round(r["ratio"], 3) for r in codecs if r["dtype"] == "float32"},
+        "scan_history_forgotten": {r["policy"]: round(r["history_forgotten"], 4) for r in retention},
         "outputs_equal": outputs["outputs_equal"],
     }
     config = {
@@ -236,11 +274,12 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
         "kv_tokens": 512 if quick else 2048,
         "codec_blocks": 16 if quick else 64,
         "trace_users": 2 if quick else 4,
+        "scan_trace": {**SCAN, "block_size": 16, "hot_set_blocks": SCAN["hot"] * SCAN["hot_blocks"]},
         "redis": "private redis-server on 127.0.0.1" if server is not None else "redis-server not installed",
         "calibration": {k: v for k, v in calibration.items() if k != "prefill_fit"},
     }
     report = envelope("tiering", config, bandwidth, summary)
-    report.update(codecs=codecs, policies=policies, prefetch=prefetch, outputs=outputs)
+    report.update(codecs=codecs, policies=policies, retention=retention, prefetch=prefetch, outputs=outputs)
     return report
 
 
@@ -252,9 +291,11 @@ def human(report: dict[str, Any]) -> str:
         + ", ".join(f"{t} {s.get(f'break_even_tokens_{t}')}" for t in ("host", "disk", "redis"))
     )
     lines += ["", format_table(report["codecs"], ["dtype", "codec", "ratio", "encode_mb_s", "decode_mb_s"]), ""]
-    rows = [r for r in report["policies"] if r["capacity"] == "1x largest prompt"]
-    cols = ["trace", "device_blocks", "policy", "device_hit_rate", "bytes_moved", "hit_rate_no_tier"]
+    rows = [r for r in report["policies"] if r["headline"]]
+    cols = ["trace", "capacity", "device_blocks", "policy", "device_hit_rate", "bytes_moved", "hit_rate_no_tier"]
     lines += [format_table(rows, cols), ""]
+    lines += ["scan trace, evicted blocks' history kept vs forgotten at eviction:"]
+    lines += [format_table(report["retention"], list(report["retention"][0])), ""]
     lines += [format_table(report["prefetch"], list(report["prefetch"][0])), ""]
     lines.append(f"outputs with tiering equal outputs without: {s['outputs_equal']} ({report['outputs']})")
     return "\n".join(lines)
@@ -266,8 +307,8 @@ def plot(report: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    traces = ("chat", "multi_agent", "tool_heavy")
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4), sharey=True)
+    traces = ("chat", "multi_agent", "tool_heavy", "scan")
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     for ax, trace in zip(axes, traces):
         for policy in POLICIES:
             rows = [r for r in report["policies"] if r["trace"] == trace and r["policy"] == policy]

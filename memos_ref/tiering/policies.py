@@ -88,7 +88,27 @@ def lru_k_history(uses: Iterable[float], k: int, crp: float = 0.0) -> tuple[list
     return hist, last
 
 
+def _kth_distinct(uses: deque[float], k: int) -> float | None:
+    """The K-th most recent distinct time in ``uses`` (ascending), or None: LRU-K's ``HIST(p, K)`` when
+    ``crp`` is 0 (equal times are one reference), without replaying the history."""
+    seen, prev = 0, None
+    for t in reversed(uses):
+        if t != prev:
+            seen, prev = seen + 1, t
+            if seen == k:
+                return t
+    return None
+
+
 def _lru_k_true(k: int, crp: float = 0.0) -> Callable[[BlockHistory, float], float]:
+    if crp == 0:
+
+        def fast(h: BlockHistory, now: float) -> float:
+            kth = _kth_distinct(h.uses, k)
+            return _NEVER + h.last if kth is None else kth
+
+        return fast
+
     def score(h: BlockHistory, now: float) -> float:
         hist, last = lru_k_history(h.uses, k, crp)
         if crp > 0 and now - last <= crp:

@@ -8,6 +8,15 @@ every block after it are recomputed. New blocks enter the device; when it is ful
 which moves down to the tier (unbounded here, so the policies are compared on what they keep close). Without a
 tier (``tier=False``) a victim is simply lost.
 
+A block's reference history (:class:`~memos_ref.tiering.policies.BlockHistory`) outlives its eviction for
+``retained_period`` clock units after its last use (LRU-K's *retained information period*, O'Neil, O'Neil and
+Weikum 1993; default: forever), so a block that comes back resumes its history: without it LRU-2 sees every
+returning block as referenced once, and cannot tell a hot block from a scan (``retained_period=0`` shows that).
+Policies that look only at the last use (``lru``, ``priority``) are unaffected by it.
+
+:func:`scan_trace` is the classic case LRU-K was made for: a small hot working set interleaved with one-time
+scans larger than the device; LRU lets each scan flush the hot set, LRU-2 keeps it.
+
 Token contents are the sessions' own (:class:`~memos_ref.session.SessionLayout`: BOS, then per segment a marker
 and the text's bytes, as a real :class:`~memos_ref.session.SessionManager` session on the shipped model holds
 them, so the block hashes match); generated replies are pseudo-tokens from a seeded generator, so every figure is
@@ -22,6 +31,8 @@ and how many were fetched for nothing (evicted or never used).
 
 from __future__ import annotations
 
+import math
+import random
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -39,6 +50,7 @@ __all__ = [
     "TraceLayout",
     "interleaved_trace",
     "requests_from_trace",
+    "scan_trace",
     "set_default_layout",
     "simulate",
 ]
@@ -116,6 +128,46 @@ def requests_from_trace(
     return out
 
 
+def scan_trace(
+    *,
+    hot: int = 8,
+    hot_blocks: int = 2,
+    scan_per_hot: int = 3,
+    scan_blocks: int = 2,
+    rounds: int = 12,
+    block_size: int = 16,
+    seed: int = 0,
+) -> list[Request]:
+    """A scan-heavy trace: ``hot`` prompts of ``hot_blocks`` blocks (the hot working set, read once per round in
+    a seeded order), each followed by ``scan_per_hot`` one-time prompts of ``scan_blocks`` blocks that never come
+    back (a scan: ``hot · scan_per_hot · scan_blocks`` blocks per round, larger than a device that holds the hot
+    set). Token ids are drawn from ``random.Random(seed)`` (distinct contents, so distinct block hashes); one
+    request per clock tick. Deterministic: the same arguments give the same requests."""
+    for name, value in (("hot", hot), ("hot_blocks", hot_blocks), ("scan_blocks", scan_blocks), ("rounds", rounds)):
+        check_index(name, value, lo=1)
+    scan_per_hot = check_index("scan_per_hot", scan_per_hot, lo=0)
+    block_size = check_index("block_size", block_size, lo=1)
+    check_type("seed", seed, int)
+    rng = random.Random(seed)
+
+    def prompt(blocks: int) -> list[int]:
+        return [rng.randrange(1, 1 << 16) for _ in range(blocks * block_size)]
+
+    hot_prompts = [prompt(hot_blocks) for _ in range(hot)]
+    out: list[Request] = []
+
+    def add(session: str, ids: list[int]) -> None:
+        out.append(Request(float(len(out)), session, ids, ["turn"] * (len(ids) // block_size)))
+        out[-1].hashes = block_hashes(ids, block_size)
+
+    for _ in range(rounds):
+        for i in rng.sample(range(hot), hot):
+            add(f"hot{i}", hot_prompts[i])
+            for _ in range(scan_per_hot):
+                add(f"scan{len(out)}", prompt(scan_blocks))
+    return out
+
+
 def simulate(
     requests: list[Request],
     *,
@@ -126,8 +178,13 @@ def simulate(
     tier: bool = True,
     prefetch: MarkovPredictor | None = None,
     prefetch_max_blocks: int = 8,
+    retained_period: float = math.inf,
 ) -> dict[str, Any]:
-    """Replay ``requests`` through a device of ``device_blocks`` blocks and (optionally) an unbounded tier."""
+    """Replay ``requests`` through a device of ``device_blocks`` blocks and (optionally) an unbounded tier.
+
+    ``retained_period``: how long (clock units, after its last use) an evicted block's reference history is
+    kept, so the policy sees it again when the block returns; ``math.inf`` (default) keeps it forever, ``0``
+    forgets it at eviction."""
     check_type("requests", requests, list)
     device_blocks = check_index("device_blocks", device_blocks, lo=1)
     block_size = check_index("block_size", block_size, lo=1)
@@ -136,8 +193,12 @@ def simulate(
     if prefetch is not None:
         check_type("prefetch", prefetch, MarkovPredictor)
     prefetch_max_blocks = check_index("prefetch_max_blocks", prefetch_max_blocks, lo=0)
+    check_type("retained_period", retained_period, (int, float))
+    if not retained_period >= 0:  # NaN fails too
+        raise ConfigError(f"retained_period must be >= 0 (clock units; math.inf = forever), got {retained_period!r}")
     score = priority_function(policy)
     device: dict[bytes, BlockHistory] = {}
+    retained: dict[bytes, BlockHistory] = {}  # histories of evicted blocks (the retained information period)
     lower: set[bytes] = set()
     prefetched: set[bytes] = set()
     session_blocks: dict[str, list[bytes]] = {}
@@ -147,7 +208,7 @@ def simulate(
     def evict(protect: set[bytes], now: float) -> None:
         victims = [h for h in device if h not in protect] or list(device)  # a prompt longer than the device
         victim = min(victims, key=lambda h: score(device[h], now))
-        del device[victim]
+        retained[victim] = device.pop(victim)
         if victim in prefetched:
             prefetched.discard(victim)
             c["prefetched_unused"] += 1
@@ -156,10 +217,16 @@ def simulate(
             c["swap_out_blocks"] += 1
 
     def admit(h: bytes, protect: set[bytes], now: float) -> None:
+        if h in device:  # on the device after a miss earlier in the prompt: recomputed, but it takes no room
+            device[h].touch(now)
+            return
         while len(device) >= device_blocks:
             evict(protect, now)
-        device[h] = BlockHistory(kind=kinds.get(h, "turn"))
-        device[h].touch(now)
+        hist = retained.pop(h, None)
+        if hist is None or now - hist.last >= retained_period:
+            hist = BlockHistory(kind=kinds.get(h, "turn"))
+        hist.touch(now)
+        device[h] = hist
 
     for r in requests:
         now = r.t
