@@ -72,3 +72,18 @@ def test_summary_keeps_the_old_fields_and_adds_pool_size_slowdown_and_targets():
 def test_smollm2_geometry_is_23040_fp16_bytes_per_token():
     g = decode.SMOLLM2_GEOMETRY
     assert g["num_hidden_layers"] * 2 * g["num_key_value_heads"] * g["head_dim"] * 2 == 23_040
+
+
+def test_decode_targets_times_exactly_the_contenders_the_targets_compare() -> None:
+    from memos_ref.bench import decode, decode_targets, report
+
+    out = decode_targets.run(quick=True, progress=False)
+    got = {(r["forward"], r["method"]) for r in out["results"]}
+    assert got == {(f, m) for f, ms in decode_targets.CONTENDERS.items() for m in ms}
+    assert all(r["context"] == 128 and len(r["samples_ms"]) == 3 for r in out["results"])
+    targets = out["summary"]["targets_wide_at_max_ctx"]
+    assert set(targets) == set(decode.TARGETS)
+    for key, t in targets.items():  # each verdict follows its own measured median and bound
+        assert t["met"] == (t["value"] <= decode.TARGETS[key]) and t["min"] <= t["value"] <= t["max"]
+    text = report._decode(out)  # the README renderer reads this shape
+    assert "paged in a 16× larger pool" in text and "Engine (4 rows" in text

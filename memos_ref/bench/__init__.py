@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "agent": "memos_ref.bench.agent",
     "allocator": "memos_ref.bench.allocator",
     "decode": "memos_ref.bench.decode",
+    "decode-targets": "memos_ref.bench.decode_targets",
     "growth": "memos_ref.bench.growth",
     "memory": "memos_ref.bench.memory",
     "quant": "memos_ref.bench.quant",

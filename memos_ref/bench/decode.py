@@ -47,7 +47,17 @@ from memos_ref.model import load_hf_model, load_model
 from memos_ref.model.corpus import heldout_text
 from memos_ref.model.tokenizer import ByteTokenizer
 
-__all__ = ["METHODS", "POOL_SCALE", "SMOLLM2_GEOMETRY", "WIDE_CONFIG", "run"]
+__all__ = [
+    "METHODS",
+    "POOL_SCALE",
+    "SMOLLM2_GEOMETRY",
+    "WIDE_CONFIG",
+    "engine_overhead",
+    "measure_group",
+    "random_init",
+    "result_at",
+    "run",
+]
 
 #: The random-init model whose KV is large enough to matter: 32 KiB per token in fp32.
 WIDE_CONFIG = dict(
@@ -148,7 +158,7 @@ def _kv_bytes(cache: Any) -> int:
     )
 
 
-def _random_init(config: dict[str, Any], vocab_size: int) -> tuple[Any, Any]:
+def random_init(config: dict[str, Any], vocab_size: int) -> tuple[Any, Any]:
     """(package forward, transformers model) of a seeded random-init Llama, on the same weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -171,14 +181,14 @@ def _smollm2(quick: bool) -> tuple[tuple[Any, Any], str]:
             return (load_model(path), hf), f"pretrained weights ({path})"
         except Exception as exc:  # any reason the weights are not here: fall back, and say why
             reason = f"{type(exc).__name__}: {str(exc)[:200]}"
-            return _random_init(SMOLLM2_GEOMETRY, 256), f"random init of SmolLM2-135M's KV geometry ({reason})"
-    return _random_init(SMOLLM2_GEOMETRY, 256), "random init of SmolLM2-135M's KV geometry (--quick)"
+            return random_init(SMOLLM2_GEOMETRY, 256), f"random init of SmolLM2-135M's KV geometry ({reason})"
+    return random_init(SMOLLM2_GEOMETRY, 256), "random init of SmolLM2-135M's KV geometry (--quick)"
 
 
 def _models(quick: bool) -> tuple[dict[str, tuple[Any, Any]], dict[str, str]]:
     """name -> (package forward, transformers model), both on the same weights; and name -> their source."""
     tok = ByteTokenizer()
-    models = {"shipped": (load_model(), load_hf_model()), "wide": _random_init(WIDE_CONFIG, tok.vocab_size)}
+    models = {"shipped": (load_model(), load_hf_model()), "wide": random_init(WIDE_CONFIG, tok.vocab_size)}
     sources = {"shipped": "the shipped weights", "wide": "random init"}
     models[SMOLLM2], sources[SMOLLM2] = _smollm2(quick)
     return models, sources
@@ -229,11 +239,20 @@ class _Contender:
             self.cache.free()
 
 
-def _measure_group(
-    model_name: str, ours: Any, hf: Any, ctx: int, forward: str, warmup: int, steps: int, nocache_steps: int
+def measure_group(
+    model_name: str,
+    ours: Any,
+    hf: Any,
+    ctx: int,
+    forward: str,
+    warmup: int,
+    steps: int,
+    nocache_steps: int,
+    only: frozenset[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Time every method of one forward at one context side by side; one result row per method."""
-    methods = [m for m in METHODS if m.forward == forward]
+    """Time every method of one forward (``only``: these method names) at one context side by side; one result
+    row per method."""
+    methods = [m for m in METHODS if m.forward == forward and (only is None or m.name in only)]
     if model_name == SMOLLM2:  # recomputing a 30-layer model's whole context per token says nothing new
         methods = [m for m in methods if m.cache is not None]
     prompt = _prompt(model_name, ctx, hf.config.vocab_size)
@@ -280,7 +299,7 @@ class _TimedModel:
         return getattr(self.model, name)
 
 
-def _engine_overhead(model: Any, rows: int, context: int, warmup: int, steps: int) -> dict[str, Any]:
+def engine_overhead(model: Any, rows: int, context: int, warmup: int, steps: int) -> dict[str, Any]:
     """µs per row per step of ``Engine.step`` (decode only: every row admitted and prefilled first), of the
     forward inside it, of what lies outside that forward, and of the forward's excess over the same batch
     through a ContiguousCache — timed side by side."""
@@ -344,7 +363,7 @@ def _engine_overhead(model: Any, rows: int, context: int, warmup: int, steps: in
     }
 
 
-def _at(results: list[dict[str, Any]], model: str, name: str, forward: str, ctx: int) -> dict[str, Any] | None:
+def result_at(results: list[dict[str, Any]], model: str, name: str, forward: str, ctx: int) -> dict[str, Any] | None:
     return next(
         (r for r in results if (r["model"], r["method"], r["forward"], r["context"]) == (model, name, forward, ctx)),
         None,
@@ -392,14 +411,14 @@ def _summary(results: list[dict[str, Any]], models: dict[str, tuple[Any, Any]], 
     for key, (num, num_fwd, den, den_fwd) in {**RATIOS, **NEW_RATIOS}.items():
         ratios[key] = {}
         for m in models:
-            a, b = _at(results, m, num, num_fwd, top[m]), _at(results, m, den, den_fwd, top[m])
+            a, b = result_at(results, m, num, num_fwd, top[m]), result_at(results, m, den, den_fwd, top[m])
             if a is not None and b is not None:
                 ratios[key][m] = ratio_stats(a["samples_ms"], b["samples_ms"])
     for key, (num, num_fwd, den, den_fwd) in RATIOS.items():  # the original fields: ratio of medians
         summary[key] = {
             m: round(
-                _at(results, m, num, num_fwd, top[m])["ms_per_token"]
-                / _at(results, m, den, den_fwd, top[m])["ms_per_token"],
+                result_at(results, m, num, num_fwd, top[m])["ms_per_token"]
+                / result_at(results, m, den, den_fwd, top[m])["ms_per_token"],
                 3,
             )
             for m in CLASSIC_MODELS
@@ -448,10 +467,10 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
     jobs = [(m, c, fwd) for m in models for c in _contexts(m, quick) for fwd in ("package", "transformers")]
     for model_name, ctx, forward in tqdm(jobs, desc="bench decode", disable=not progress):
         ours, hf = models[model_name]
-        results.extend(_measure_group(model_name, ours, hf, ctx, forward, warmup, steps, nocache_steps))
+        results.extend(measure_group(model_name, ours, hf, ctx, forward, warmup, steps, nocache_steps))
     summary = _summary(results, models, quick)
     engine_rows, engine_ctx = (4, 32) if quick else (8, 256)
-    summary["engine"] = _engine_overhead(models["shipped"][0], engine_rows, engine_ctx, warmup, steps)
+    summary["engine"] = engine_overhead(models["shipped"][0], engine_rows, engine_ctx, warmup, steps)
     config = {
         "contexts": list(_contexts("wide", quick)),
         "contexts_by_model": {m: list(_contexts(m, quick)) for m in models},
