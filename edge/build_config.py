@@ -391,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-chunk", type=int)
     parser.add_argument("--prompt", default="Write a Python function that reverses a string.")
     parser.add_argument("--write-deploy", metavar="FILE", help="also write the on-device bash script")
+    parser.add_argument(
+        "--reference",
+        help="reference.json for the script's token comparison (default: CHECKPOINT/reference.json, where "
+        "`export_trtllm --reference-prompt` writes it)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     p = plan(args.model, args.device, kv_dtype=args.kv_dtype, weights=args.weights)
@@ -418,9 +423,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.write_deploy:
         path = Path(args.write_deploy)
-        summary = {k: getattr(p, k) for k in ("model", "device", "kv_tokens", "tokens_per_block")}
+        keys = ("model", "device", "weights", "kv_dtype", "kv_tokens", "tokens_per_block")
+        summary = {k: getattr(p, k) for k in keys}
         summary["decode_bound_batch1"] = p.decode_tokens_per_s_bound.get(f"batch1_ctx{min(1024, p.kv_tokens)}")
-        path.write_text(deploy_script(cfg, args.tokenizer, args.prompt, args.dialect, plan_summary=summary))
+        reference = args.reference or str(Path(args.checkpoint) / "reference.json")
+        path.write_text(
+            deploy_script(cfg, args.tokenizer, args.prompt, args.dialect, plan_summary=summary, reference=reference)
+        )
         path.chmod(0o755)
     print(json.dumps(out, indent=2) if args.json else f"{out['build']}\n\n{out['run']}\n\n{json.dumps(out['runtime'])}")
     return 0

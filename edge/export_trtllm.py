@@ -1,7 +1,8 @@
 """Export a transformers Llama-family model as a TensorRT-LLM v0.12 checkpoint: ``config.json`` +
 ``rank0.safetensors`` (single GPU: tp = pp = 1), ready for ``trtllm-build`` on a Jetson.
 
-``python -m memos_edge.export_trtllm --model PATH|NAME --out DIR [--dtype float16|bfloat16|float32] [--kv-int8]``
+``python -m memos_edge.export_trtllm --model PATH|NAME --out DIR [--dtype float16|bfloat16|float32] [--kv-int8]
+[--reference-prompt TEXT [--reference-chat] [--reference-steps N]]``
 
 ``--model`` is a transformers folder or a named model of the package (``smollm2-135m-instruct``: the converted
 SmolLM2-135M-Instruct folder of :func:`memos_ref.model.pretrained_path`). When the folder has a Hugging Face
@@ -380,14 +381,29 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return x * cos + half * sin
 
 
-@torch.no_grad()
-def reference_forward(ckpt_dir: str | Path, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits ``[S, V]`` for ``input_ids [S]`` computed only from the exported TensorRT-LLM tensors and config —
-    the oracle that catches a wrong qkv order or a swapped fc/gate."""
+def _load_checkpoint(ckpt_dir: str | Path, dtype: torch.dtype | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``config.json`` and the tensors of an export, cast to ``dtype`` when given (fp16 matmuls are slow on CPU)."""
     ckpt_dir = Path(ckpt_dir)
     c = json.loads((ckpt_dir / "config.json").read_text())
-    rope = read_rope_config({"rope_theta": c["rotary_base"], "rope_scaling": c.get("rotary_scaling")})
     w = load_file(str(ckpt_dir / "rank0.safetensors"))
+    if dtype is not None:
+        w = {k: v.to(dtype) if v.is_floating_point() else v for k, v in w.items()}
+    return c, w
+
+
+@torch.no_grad()
+def reference_forward(
+    ckpt_dir: str | Path, input_ids: torch.Tensor, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Logits ``[S, V]`` for ``input_ids [S]`` computed only from the exported TensorRT-LLM tensors and config —
+    the oracle that catches a wrong qkv order or a swapped fc/gate. ``dtype``: compute in it (default: the
+    stored dtype)."""
+    return _forward(*_load_checkpoint(ckpt_dir, dtype), input_ids)
+
+
+def _forward(c: dict[str, Any], w: dict[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`reference_forward` on a loaded checkpoint."""
+    rope = read_rope_config({"rope_theta": c["rotary_base"], "rope_scaling": c.get("rotary_scaling")})
     qwen = c["architecture"] == "QWenForCausalLM"
     # what the engine loads: a bias whose flag is false is dropped by TensorRT-LLM, so the oracle drops it too
     attn_bias, mlp_bias = qwen or bool(c.get("attn_bias")), bool(c.get("mlp_bias"))
@@ -424,27 +440,46 @@ def write_reference(
     ckpt_dir: str | Path, prompt_ids: list[int], steps: int = 16, path: str | Path | None = None
 ) -> Path:
     """``reference.json`` beside the checkpoint: the prompt's ids and the greedy continuation computed by
-    :func:`reference_forward` from the exported tensors — what ``deploy.sh`` compares the engine's greedy output
-    with, token for token (``{"tokens": {"prompt": [...], "greedy": [...]}}``). Stops at ``steps`` tokens."""
+    :func:`reference_forward` from the exported tensors (cast to fp32: the stored weights in exact arithmetic) —
+    what ``deploy.sh`` compares the engine's greedy output with, token for token (``{"tokens": {"prompt": [...],
+    "greedy": [...]}}``). Stops at ``steps`` tokens."""
     if not prompt_ids or steps < 1:
         raise ConfigError(f"a reference needs a non-empty prompt and steps >= 1, got {len(prompt_ids)} ids, {steps}")
+    c, w = _load_checkpoint(ckpt_dir, torch.float32)  # the stored weights, exactly, in fp32 arithmetic
     ids = list(prompt_ids)
     for _ in range(steps):
-        ids.append(int(reference_forward(ckpt_dir, torch.tensor(ids))[-1].argmax()))
+        ids.append(int(_forward(c, w, torch.tensor(ids))[-1].argmax()))
     out = Path(path) if path is not None else Path(ckpt_dir) / "reference.json"
     doc = {"tokens": {"prompt": list(prompt_ids), "greedy": ids[len(prompt_ids) :]}, "checkpoint": str(ckpt_dir)}
     out.write_text(json.dumps(doc) + "\n")
     return out
 
 
-def _prompt_ids(ckpt_dir: Path, text: str) -> list[int]:
-    """The prompt's ids: with the export's Hugging Face tokenizer when it has one, else the bytes (shipped model)."""
+def _prompt_ids(ckpt_dir: Path, text: str, *, chat: bool = False) -> tuple[list[int], Any]:
+    """The prompt's ids and the tokenizer (or ``None``): with the export's Hugging Face tokenizer when it has one
+    (``chat``: the text as one user message through its chat template, the way an instruct model is asked), else
+    the bytes (shipped model)."""
     if (ckpt_dir / "tokenizer_config.json").exists():
         from transformers import AutoTokenizer
 
-        return list(AutoTokenizer.from_pretrained(str(ckpt_dir))(text)["input_ids"])
+        tok = AutoTokenizer.from_pretrained(str(ckpt_dir))
+        if chat:
+            if not tok.chat_template:
+                raise ConfigError(f"--reference-chat needs a chat template; {ckpt_dir} has none: drop the flag")
+            text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False)  # fmt: skip
+        return list(tok(text)["input_ids"]), tok
+    if chat:
+        raise ConfigError(f"--reference-chat needs a Hugging Face tokenizer; {ckpt_dir} has none: drop the flag")
     vocab = json.loads((ckpt_dir / "config.json").read_text())["vocab_size"]
-    return [b % vocab for b in text.encode()]
+    return [b % vocab for b in text.encode()], None
+
+
+def _add_text(path: Path, tok: Any) -> None:
+    """Add the decoded prompt and greedy continuation to ``reference.json`` (what a person reads on the device)."""
+    doc = json.loads(path.read_text())
+    doc["text"] = {key: tok.decode(ids) for key, ids in doc["tokens"].items()}
+    path.write_text(json.dumps(doc) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -463,12 +498,20 @@ def main(argv: list[str] | None = None) -> int:
         help="also write reference.json: this prompt's greedy continuation from the exported tensors (for deploy.sh)",
     )
     parser.add_argument("--reference-steps", type=int, default=16)
+    parser.add_argument(
+        "--reference-chat",
+        action="store_true",
+        help="render --reference-prompt as a user message through the model's chat template (instruct models)",
+    )
     args = parser.parse_args(argv)
     out = convert(args.model, args.out, dtype=args.dtype, kv_int8=args.kv_int8)
     print(f"wrote {out / 'config.json'} and {out / 'rank0.safetensors'}")
     if args.reference_prompt is not None:
-        ids = _prompt_ids(out, args.reference_prompt)
-        print(f"wrote {write_reference(out, ids, args.reference_steps)} ({len(ids)} prompt ids)")
+        ids, tok = _prompt_ids(out, args.reference_prompt, chat=args.reference_chat)
+        ref = write_reference(out, ids, args.reference_steps)
+        if tok is not None:
+            _add_text(ref, tok)
+        print(f"wrote {ref} ({len(ids)} prompt ids)")
     tokenizer = sorted(p.name for p in out.iterdir() if p.name in (*TOKENIZER_FILES, "tokenizer_config.json"))
     if tokenizer:
         print(f"tokenizer files: {', '.join(tokenizer)} (use --tokenizer_dir {out} with examples/run.py)")

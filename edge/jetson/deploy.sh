@@ -5,7 +5,7 @@
 set -euo pipefail
 TRTLLM_DIR=${TRTLLM_DIR:-$PWD}
 OUT=${OUT:-results}
-REFERENCE=${REFERENCE:-reference.json}
+REFERENCE=${REFERENCE:-ckpt/llama-3-8b-int4/reference.json}
 mkdir -p "$OUT"
 
 # 1. MAX-N clocks, as NVIDIA measured (README4Jetson: sudo nvpmodel -m 0; sudo jetson_clocks)
@@ -64,7 +64,7 @@ fi
 # 5. the KV pool's lines (case-insensitive) and one results.json to bring back
 grep -ihE "paged kv cache|tokens per block|max tokens in paged kv|allocated .*kv|kv cache" "$OUT"/*.log > "$OUT/kv_lines.txt" || true
 cat > "$OUT/plan.json" <<'JSON'
-{"model": "llama-3-8b", "device": "orin-agx-64gb", "kv_tokens": 407552, "tokens_per_block": 128, "decode_bound_batch1": 43.78}
+{"model": "llama-3-8b", "device": "orin-agx-64gb", "weights": "int4", "kv_dtype": "fp16", "kv_tokens": 407552, "tokens_per_block": 128, "decode_bound_batch1": 43.78}
 JSON
 export OUT REFERENCE VARIANT CLOCKS POWER_MODE RUN_NS
 python3 - <<'PY'
