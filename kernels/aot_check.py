@@ -118,6 +118,24 @@ def _kivi_config(bits: int, group: int, head_dim: int) -> Config:
                   consts, ints, cfg.num_warps, cfg.num_stages)  # fmt: skip
 
 
+def _prefill_config(dtype: str, group: int, block: int, head_dim: int) -> Config:
+    """The tiled prefill kernel as ``paged_prefill_attention`` launches it (a 512-query chunk, 32-layer pool)."""
+    import torch
+    from memos_kernels.paged_prefill import prefill_config
+
+    qb, gp, tile = prefill_config(group, block, head_dim, torch.float16 if dtype == "fp16" else torch.bfloat16)
+    elt = {"fp16": "*fp16", "bf16": "*bf16"}[dtype]
+    pointers = {"q_ptr": elt, "kc_ptr": elt, "vc_ptr": elt, "out_ptr": elt, "tables_ptr": "*i32", "lens_ptr": "*i32",
+                "qlens_ptr": "*i32"}  # fmt: skip
+    q = dict(s_qb=8 * group * 512 * head_dim, s_qh=512 * head_dim, s_qq=head_dim)
+    ints = dict(**q, s_ob=q["s_qb"], s_oh=q["s_qh"], s_oq=head_dim,
+                s_cb=LAYERS * 2 * 8 * block * head_dim, s_ch=block * head_dim, s_ct=head_dim,
+                s_tb=2048 // block, s_tc=1)  # fmt: skip
+    consts = dict(G=group, GP=gp, QB=qb, T=block, D=head_dim, TILE=tile, DOT_F32=False, PREC="tf32")
+    return Config(f"prefill_{dtype}_g{group}_t{block}_d{head_dim}", "paged_prefill", "prefill_kernel", pointers,
+                  consts, ints, num_warps=4, num_stages=2)  # fmt: skip
+
+
 def _write_configs(block: int, head_dim: int, capability: int) -> list[Config]:
     h = 8
     strides = dict(s_kn=h * head_dim, s_kh=head_dim, s_vn=h * head_dim, s_vh=head_dim,
@@ -159,7 +177,8 @@ def configs(capability: int, full: bool = False) -> list[Config]:
                     dict(s_ob=32 * 128, s_oh=128, num_splits=8, tokens_per_split=512))  # fmt: skip
     copy = Config("copy_blocks", "copy_blocks", "copy_blocks_kernel", {"pairs_ptr": "*i64"}, {"CHUNK": 1024},
                   {"block_numel": 2 * 8 * 16 * 128})  # fmt: skip
-    return decode + quant + kivi + writes + [reduce, copy]
+    prefill = [_prefill_config("fp16", 4, 16, 128)]
+    return decode + quant + kivi + writes + prefill + [reduce, copy]
 
 
 def _signature(fn: Any, config: Config) -> tuple[dict[str, str], dict[str, Any], dict[tuple[int], list]]:

@@ -1,10 +1,13 @@
 """Chunked-prefill attention over paged caches: a chunk of queries per sequence, causal over its cached prefix
 and the chunk up to itself.
 
-Told in the Triton tutorials' order — reference (plain torch) → wrapper → check → benchmark. There is no kernel
-of its own yet: every (sequence, query position) becomes a decode row whose length stops at that position, run
-by :mod:`memos_kernels.paged_decode`'s split-K kernels — simple and exact; a tiled kernel that shares K/V loads
-across the chunk's queries is the faster form.
+Told in the Triton tutorials' order — reference (plain torch) → kernel → wrapper → check → benchmark.
+:func:`prefill_kernel` is tiled: one program per (sequence, KV head, query tile) holds ``QB`` query positions ×
+the whole GQA group as the rows of one ``tl.dot`` operand, and streams the sequence's K/V once per tile in token
+tiles gathered through the block table (the decode kernel's :func:`~memos_kernels.paged_decode.tile_slots`),
+stopping at the tile's last causal position; online softmax in base 2. One launch for every sequence's chunk, no
+per-row loop. Quantized caches (``quant=``) still run as decode rows through
+:mod:`memos_kernels.paged_decode`'s kernels (every (sequence, query position) a row whose length stops there).
 """
 
 from __future__ import annotations
@@ -12,11 +15,20 @@ from __future__ import annotations
 import math
 
 import torch
-from memos_kernels.common import CheckResult, default_device
-from memos_kernels.paged_decode import paged_decode_attention, random_paged_case
+import triton
+import triton.language as tl
+from memos_kernels.common import NEG, CheckResult, check_cache, default_device
+from memos_kernels.paged_decode import (
+    LOG2E,
+    decode_config,
+    dot_flags,
+    paged_decode_attention,
+    random_paged_case,
+    tile_slots,
+)
 from memos_kernels.timing import time_ms
 
-from memos_ref.errors import ShapeError
+from memos_ref.errors import DeviceError, DTypeError, ShapeError
 
 __all__ = [
     "KERNELS",
@@ -24,9 +36,9 @@ __all__ = [
     "check_paged_prefill",
     "paged_prefill_attention",
     "paged_prefill_reference",
+    "prefill_config",
+    "prefill_kernel",
 ]
-
-KERNELS = ()  # runs paged_decode's kernels
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -64,7 +76,79 @@ def paged_prefill_reference(
     return out.to(query.dtype)
 
 
+# ---------------------------------------------------------------------------------------------- kernel
+@triton.jit
+def prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, tables_ptr, lens_ptr, qlens_ptr, out_ptr,
+    qk_scale,
+    s_qb, s_qh, s_qq,
+    s_ob, s_oh, s_oq,
+    s_cb, s_ch, s_ct,
+    s_tb, s_tc,
+    G: tl.constexpr, GP: tl.constexpr, QB: tl.constexpr, T: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+    DOT_F32: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Program (sequence b, KV head h, query tile qt): rows ``r = j · GP + g`` are query ``qt · QB + j`` of head
+    ``h · G + g``; query j of a chunk of ``qlen`` sits at position ``n - qlen + j`` and sees tokens up to it. The
+    token loop stops after the tile's last query position (causal), every tile of K/V serves all ``QB · G`` rows."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    qt = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b).to(tl.int32)
+    qlen = tl.load(qlens_ptr + b).to(tl.int32)
+    r = tl.arange(0, QB * GP)
+    j = qt * QB + r // GP
+    g = r % GP
+    row_ok = (g < G) & (j < qlen)
+    pos = seq_len - qlen + j  # [QB·GP] each row's own position
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * s_qh + j[:, None] * s_qq + d[None, :],
+                mask=row_ok[:, None], other=0.0)  # fmt: skip
+    if DOT_F32:
+        q = q.to(tl.float32)
+    m_i = tl.full((QB * GP,), NEG, tl.float32)
+    l_i = tl.zeros((QB * GP,), tl.float32)
+    acc = tl.zeros((QB * GP, D), tl.float32)
+    end = tl.minimum(seq_len, seq_len - qlen + qt * QB + QB)  # past the tile's last query: nothing to see
+    for tok0 in range(0, end, TILE):
+        ok, block, off = tile_slots(tables_ptr, b, s_tb, s_tc, tok0, end, T, TILE)
+        ptrs = (block * s_cb + h * s_ch + off * s_ct)[:, None] + d[None, :]
+        k = tl.load(kc_ptr + ptrs, mask=ok[:, None], other=0)
+        v = tl.load(vc_ptr + ptrs, mask=ok[:, None], other=0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        tok = tok0 + tl.arange(0, TILE)
+        seen = ok[None, :] & (tok[None, :] <= pos[:, None])  # [QB·GP, TILE] causal
+        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        scores = tl.where(seen, scores, NEG)
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.where(seen, tl.exp2(scores - m_new[:, None]), 0.0)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    dst = out_ptr + b * s_ob + (h * G + g)[:, None] * s_oh + j[:, None] * s_oq + d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+KERNELS = (prefill_kernel,)
+
+
 # ---------------------------------------------------------------------------------------------- wrapper
+def prefill_config(group: int, block_size: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(QB, GP, TILE)``: the group padded to a power of two, ``QB`` query positions so that a tile holds 64
+    rows (32 at head dim 128 in fp32), at least 16 (``tl.dot``'s minimum); the decode kernel's token tile."""
+    gp = triton.next_power_of_2(group)
+    rows = 32 if head_dim >= 128 and dtype == torch.float32 else 64
+    qb = max(1, rows // gp, 16 // gp)
+    return qb, gp, decode_config(group, block_size, head_dim, dtype).tile
+
+
 def paged_prefill_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -74,24 +158,74 @@ def paged_prefill_attention(
     query_lens: torch.Tensor,
     *,
     scale: float | None = None,
+    out: torch.Tensor | None = None,
     **quant: object,
 ) -> torch.Tensor:
     """Chunked-prefill attention: ``query [B, Hq, Q, D]``, sequence b's first ``query_lens[b]`` rows being its
     newest tokens (already written to the cache), each attending causally over its cached prefix and the chunk
-    up to itself. Returns ``[B, Hq, Q, D]`` with zeros past ``query_lens``. ``quant`` passes the dequantizing
-    arguments of :func:`~memos_kernels.paged_decode.paged_decode_attention` through."""
+    up to itself. Returns ``out`` (zeros allocated when not given) ``[B, Hq, Q, D]``, zeros past ``query_lens``.
+    Float caches: one launch of :func:`prefill_kernel`. ``quant`` passes the dequantizing arguments of
+    :func:`~memos_kernels.paged_decode.paged_decode_attention` through (decode rows)."""
     if query.ndim != 4:
         raise ShapeError(f"query must be [batch, q_heads, queries, head_dim], got {tuple(query.shape)}")
-    b, _, q, _ = query.shape
+    b, hq, q, d = query.shape
     if query_lens.shape != (b,) or seq_lens.shape != (b,):
         raise ShapeError(
             f"seq_lens and query_lens must be [{b}], got {tuple(seq_lens.shape)}, {tuple(query_lens.shape)}"
         )
+    if bool(((query_lens > seq_lens) | (query_lens > q) | (query_lens < 0)).any()):  # one check, not a loop
+        bad = int(((query_lens > seq_lens) | (query_lens > q) | (query_lens < 0)).nonzero()[0, 0])
+        raise ShapeError(f"sequence {bad}: {int(query_lens[bad])} queries but {int(seq_lens[bad])} tokens (and Q={q})")
+    if quant.get("quant", "none") != "none":
+        return _prefill_by_rows(query, key_cache, value_cache, block_tables, seq_lens, query_lens, scale, quant)
+    _n, h, t, _ = check_cache(key_cache, value_cache)
+    if key_cache.stride() != value_cache.stride():
+        raise ShapeError("key and value caches must have the same strides (two views of one pool)")
+    if query.dtype != key_cache.dtype:
+        raise DTypeError(f"query dtype {query.dtype} does not match the caches' {key_cache.dtype}")
+    if d != key_cache.shape[3] or hq % h:
+        raise ShapeError(f"query [B, k·{h}, Q, {key_cache.shape[3]}] expected, got {tuple(query.shape)}")
+    devices = {query.device, key_cache.device, block_tables.device, seq_lens.device, query_lens.device}
+    if len(devices) != 1:
+        raise DeviceError("query, caches, block tables and lengths must be on one device")
+    if query.stride(-1) != 1:
+        raise ShapeError("query must be contiguous along head_dim")
+    if out is None:
+        out = torch.zeros_like(query)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ShapeError(f"out must be {query.dtype} {list(query.shape)} on {query.device}")
+    group = hq // h
+    qb, gp, tile = prefill_config(group, t, d, query.dtype)
+    if b == 0 or q == 0:
+        return out
+    dot_f32, prec = dot_flags(query)
+    prefill_kernel[(b, h, triton.cdiv(q, qb))](
+        query, key_cache, value_cache, block_tables, seq_lens, query_lens, out,
+        (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E,
+        query.stride(0), query.stride(1), query.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0), block_tables.stride(1),
+        G=group, GP=gp, QB=qb, T=t, D=d, TILE=tile, DOT_F32=dot_f32, PREC=prec,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out
+
+
+def _prefill_by_rows(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    scale: float | None,
+    quant: dict[str, object],
+) -> torch.Tensor:
+    """Quantized caches: every (sequence, query position) as a decode row whose length stops at it."""
     rows, lens, src = [], [], []
-    for i in range(b):
+    for i in range(query.shape[0]):
         n, nq = int(seq_lens[i]), int(query_lens[i])
-        if nq > q or nq > n:
-            raise ShapeError(f"sequence {i}: {nq} queries but {n} tokens (and Q={q})")
         for j in range(nq):
             rows.append(i)
             lens.append(n - nq + j + 1)

@@ -12,9 +12,18 @@ Where a decode step runs (:func:`paged_decode`) is chosen by ``MEMOS_REF_KERNELS
 * ``interpret``: Triton's interpreter on CPU tensors (slow; for tests and learning). It must be chosen before
   Triton is first imported — this module sets ``TRITON_INTERPRET=1`` itself when it sees ``interpret``.
 
-``PagedCache.attend``, the ``memos_paged`` attention function and the engine all reach the kernels through
-:func:`attend_sequences`, which calls :func:`paged_decode` for decode steps. (``memos_ref.ops`` re-exports the
-switch for older imports.)
+The package's forward, the engine and ``PagedCache`` (its ``memos_paged`` attention function included) reach
+the kernels through one per-step decision, :func:`step_path`, taken once per :class:`~memos_ref.paged.step.StepBatch`
+and kept in ``step.notes["path"]``: ``"plain"`` (a float pool: writes with ``memos_kernels``' ``write_kv``, decode
+with ``paged_decode_attention``), ``"int8"`` (a streaming per-token int8 pool: ``write_kv_int8``, the int8 decode
+kernel), ``"fp8"`` (a streaming fp8 pool: the pool grows its block scales and encodes, the fp8 decode kernel
+reads), ``"kivi"`` (a KIVI pool: the pool stages and seals, the KIVI decode kernel reads codes and staging), or
+``"reference"`` (torch). :func:`write_step` writes a layer through it and :func:`attend_step` attends. Decode
+steps (one query per row, no mask, window, softcap or sinks) take the kernels, and so do prefill chunks of a float
+pool (the tiled causal prefill kernel); quantized prefill and feature cases run the reference (the oracle the
+kernels are tested against). A kernel that fails raises
+:class:`~memos_ref.errors.BackendUnavailableError` naming the kernel (``MEMOS_REF_KERNELS=reference`` avoids it).
+(``memos_ref.ops`` re-exports the switch for older imports.)
 
 Cost: the reference reads a sequence's pages with one indexed copy of *its* blocks (:func:`gather_kv`), so a
 decode step costs the same in a pool of 300 blocks or of 30,000.
@@ -36,6 +45,7 @@ from memos_ref.errors import (
     BackendUnavailableError,
     ConfigError,
     InvalidArgumentError,
+    KVCacheError,
     ShapeError,
     check_type,
 )
@@ -47,6 +57,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MODES",
+    "PATHS",
     "attend_sequences",
     "attend_step",
     "dense_attention",
@@ -54,11 +65,16 @@ __all__ = [
     "kernel_mode",
     "paged_attention",
     "paged_decode",
+    "step_path",
     "use_kernels",
+    "write_step",
 ]
 
 #: The values of ``MEMOS_REF_KERNELS``.
 MODES = ("auto", "reference", "triton", "interpret")
+
+#: What a step runs on (:func:`step_path`).
+PATHS = ("reference", "plain", "int8", "fp8", "kivi")
 
 
 def _check_options(
@@ -429,18 +445,15 @@ def attend_step(
         raise ShapeError(f"query: expected [{b}, q_heads, {step.query_len}, head_dim], got {tuple(query.shape)}")
     pool = step.pool
     extras = dict(mask=_drop_trivial_mask(mask), sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+    path = step_path(step)
+    if path != "reference" and all(value is None for value in extras.values()) and query.dtype == pool.spec.dtype:
+        if step.query_len == 1:
+            return _attend_kernel(path, query[:, :, 0], step, layer, scale)[:, :, None]
+        if path == "plain":  # a chunk of queries per row: the tiled causal prefill kernel, one launch
+            return _prefill_kernel(query, step, layer, scale)
     if len(pool.segments) != 1 or pool.quantized:
         return attend_sequences(query, step.sequences, layer, scale=scale, **extras)
     view = pool.segments[0][:, layer]  # [num_blocks, 2, H, T, D]
-    if step.query_len == 1 and all(value is None for value in extras.values()):
-        kernels = step.notes.get("kernels")
-        if kernels is None:
-            kernels = step.notes["kernels"] = use_kernels(view.device) and _kernel_fits(query, view[:, 0], view[:, 1])
-        if kernels:
-            out = _triton().paged_decode_attention(
-                query[:, :, 0], view[:, 0], view[:, 1], step.block_tables, step.seq_lens, scale=scale
-            )
-            return out[:, :, None]
     return paged_attention(query, view[:, 0], view[:, 1], step.block_tables, step.seq_lens, scale=scale, **extras)
 
 
@@ -515,3 +528,139 @@ def paged_decode(
     if use_kernels(query.device) and _kernel_fits(query, key_cache, value_cache):
         return _triton().paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=scale)
     return paged_attention(query[:, :, None], key_cache, value_cache, block_tables, seq_lens, scale=scale)[:, :, 0]
+
+
+# ---------------------------------------------------------------------------------------------- kernel path
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _fp8_ok(device: torch.device) -> bool:
+    """Triton's e4m3 needs sm_89+ on a GPU (the interpreter has it on the CPU)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _pool_path(pool: Any) -> str:
+    """:func:`step_path` for a pool: which kernels can read and write it (duck-typed: this layer is below quant)."""
+    spec = pool.spec
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    fits = _pow2(spec.head_dim) and _pow2(spec.block_size) and 8 <= spec.block_size <= 128 and spec.dtype in floats
+    if len(pool.segments) != 1 or not fits or not use_kernels(pool.device):
+        return "reference"
+    if not pool.quantized:
+        return "plain"
+    name = getattr(pool.scheme, "name", "")
+    streaming = getattr(pool, "streaming", False)  # no residual window: every token is encoded as it is written
+    if name == "int8_token" and streaming:
+        return "int8"
+    if name == "fp8_e4m3" and streaming and _fp8_ok(pool.device):
+        return "fp8"
+    group = getattr(pool.scheme, "group_size", 0)
+    if name.startswith("kivi") and _pow2(group) and spec.block_size % group == 0:
+        return "kivi"
+    return "reference"  # per-tensor int8, fp16 codes, residual windows over int8/fp8: the torch reference
+
+
+def step_path(step: StepBatch) -> str:
+    """The one switch: what ``step`` writes and attends with, one of :data:`PATHS`, decided at its first call and
+    kept in ``step.notes["path"]`` (every layer of the step then takes the same path).
+
+    ``MEMOS_REF_KERNELS`` (:func:`use_kernels`) says whether kernels run on the pool's device at all; then the
+    pool says which: a float pool ``"plain"``, a streaming per-token int8 pool ``"int8"``, a streaming fp8 pool
+    ``"fp8"`` (sm_89+), a KIVI pool ``"kivi"``; anything else, or a geometry outside the kernels' limits
+    (head_dim and block size powers of two, block size 8-128), ``"reference"``."""
+    path = step.notes.get("path")
+    if path is None:
+        path = step.notes["path"] = _pool_path(step.pool)
+    return path  # type: ignore[return-value]
+
+
+def _launch(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call a ``memos_kernels`` wrapper; a failure that is not already one of the package's errors (a Triton
+    compile or launch error) becomes :class:`BackendUnavailableError` naming the kernel and the way around it."""
+    try:
+        return fn(*args, **kwargs)
+    except KVCacheError:
+        raise
+    except Exception as exc:
+        raise BackendUnavailableError(
+            f"the Triton kernel {what} failed ({type(exc).__name__}: {exc}); MEMOS_REF_KERNELS=reference runs the "
+            f"torch reference instead"
+        ) from exc
+
+
+def _store_plain(step: StepBatch, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """``write_kv`` of ``key, value [B·n, H, D]`` into a float pool's layer at the step's slots."""
+    view = step.pool.segments[0][:, layer]  # [N, 2, H, T, D]
+    _launch("write_kv", _triton().write_kv, key, value, step.slot_mapping, view[:, 0], view[:, 1])
+
+
+def _store_int8(step: StepBatch, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """``write_kv_int8`` into a streaming per-token int8 pool (the pool refuses values it cannot encode first)."""
+    pool = step.pool
+    pool.check_kv(key, value, layer)
+    _launch("write_kv_int8", _triton().write_kv_int8, key, value, step.slot_mapping, **pool.kernel_args(layer))
+
+
+#: The kernel write of each path; a path without one writes through the pool (fp8 grows its block scales, KIVI
+#: stages full-precision blocks and seals them: the pool's own bookkeeping).
+_STORES = {"plain": _store_plain, "int8": _store_int8}
+
+
+def write_step(step: StepBatch, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Write layer ``layer``'s K/V ``[B, H, n, D]`` of every row of ``step`` through :func:`step_path`'s choice:
+    ``write_kv`` / ``write_kv_int8`` on the kernel path, the pool's own store otherwise
+    (:meth:`~memos_ref.paged.step.StepBatch.write` checks before and counts after either way)."""
+    step.write(layer, key, value, store=_STORES.get(step_path(step)))
+
+
+def _prefill_kernel(query: torch.Tensor, step: StepBatch, layer: int, scale: float | None) -> torch.Tensor:
+    """A chunk ``query [B, Hq, n, D]`` of every row, causal over its pages, through ``paged_prefill_attention``."""
+    qlens = step.notes.get("query_lens")
+    if qlens is None:  # once per step, on the pool's device
+        qlens = step.notes["query_lens"] = torch.full_like(step.seq_lens, step.query_len)
+    view = step.pool.segments[0][:, layer]  # [N, 2, H, T, D]
+    return _launch(
+        "paged_prefill_attention",
+        _triton().paged_prefill_attention,
+        query, view[:, 0], view[:, 1], step.block_tables, step.seq_lens, qlens, scale=scale,
+    )  # fmt: skip
+
+
+def _attend_kernel(path: str, query: torch.Tensor, step: StepBatch, layer: int, scale: float | None) -> torch.Tensor:
+    """One decode step ``query [B, Hq, D]`` of layer ``layer`` through the ``path`` kernel; returns ``[B, Hq, D]``."""
+    tk, pool = _triton(), step.pool
+    tables, lens, longest = step.block_tables, step.seq_lens, max(step.lens)
+    if path == "plain":
+        view = pool.segments[0][:, layer]  # [N, 2, H, T, D]
+        return _launch(
+            "paged_decode_attention",
+            tk.paged_decode_attention,
+            query, view[:, 0], view[:, 1], tables, lens, scale=scale, max_seq_len=longest,
+        )  # fmt: skip
+    if path in ("int8", "fp8"):
+        args = pool.kernel_args(layer)
+        return _launch(
+            f"paged_decode_attention(quant={path!r})",
+            tk.paged_decode_attention,
+            query, args["key_codes"], args["value_codes"], tables, lens, scale=scale, max_seq_len=longest,
+            quant=path, key_scale=args["key_scale"], value_scale=args["value_scale"],
+        )  # fmt: skip
+    from memos_kernels.kivi_decode import KIVI_PAYLOAD, KiviBlocks
+
+    slot_map = step.notes.get("staging_slot")
+    if slot_map is None:  # the block -> slab row map lives on the CPU: one copy per step, after layer 0 staged
+        slot_map = step.notes["staging_slot"] = pool.staging_slot.to(pool.device)
+    args = pool.kernel_args(layer)
+    blocks = KiviBlocks(
+        *(args[name] for name in KIVI_PAYLOAD),
+        pool.staging[:, layer],
+        slot_map,
+        bits=args["bits"],
+        group_size=args["group_size"],
+    )
+    return _launch(
+        "paged_decode_attention_kivi",
+        tk.paged_decode_attention_kivi_packed,
+        query, blocks, tables, lens, scale=scale, max_seq_len=longest,
+    )  # fmt: skip

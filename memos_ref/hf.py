@@ -623,7 +623,7 @@ class PagedCache(Cache):
         self._check_live()
         self._check(key, value)
         step = self._step_for(layer, key.shape[0], key.shape[2])
-        step.write(layer, key, value)
+        attention.write_step(step, layer, key, value)
         return step
 
     def _ensure_staging(self, rows: list[Any], n: int) -> None:

@@ -146,6 +146,43 @@ def test_paged_prefill_matches_reference(lens, qlens, t):
     assert torch.allclose(got.cpu(), want, atol=1e-5, rtol=1e-4)
 
 
+def test_prefill_is_one_tiled_causal_launch(monkeypatch):
+    """Chunked prefill of float caches (issue 18 item 1): ONE launch of the tiled prefill kernel over a grid of
+    (sequence, KV head, query tile) — not a decode row per query — equal to the reference: GQA 3 in fp16, a chunk
+    crossing blocks over a cached prefix, a row that is all chunk, a row without queries."""
+    from memos_kernels import paged_prefill as pp
+
+    class Launches:
+        def __init__(self, kernel):
+            self.kernel, self.grids = kernel, []
+
+        def __getitem__(self, grid):
+            self.grids.append(grid)
+            return self.kernel[grid]
+
+    def no_rows(*args, **kwargs):
+        raise AssertionError("float prefill must not fall back to decode rows")
+
+    launches = Launches(pp.prefill_kernel)
+    monkeypatch.setattr(pp, "prefill_kernel", launches)
+    monkeypatch.setattr(pp, "paged_decode_attention", no_rows)
+    lens, qlens = [37, 9, 4], [21, 9, 0]
+    _, pool, tables, seq_lens = make_case(5, lens, h=2, group=3, t=8, dtype=torch.float16)
+    g = torch.Generator().manual_seed(8)
+    query = torch.randn(3, 6, 21, 32, generator=g).half().to(DEVICE)
+    qlens_t = torch.tensor(qlens, device=DEVICE)
+    got = pp.paged_prefill_attention(query, pool[:, 0], pool[:, 1], tables, seq_lens, qlens_t)
+    qb, _, _ = pp.prefill_config(3, 8, 32, torch.float16)
+    assert launches.grids == [(3, 2, -(-21 // qb))]
+    want = pp.paged_prefill_reference(query.float(), pool[:, 0].float(), pool[:, 1].float(), tables, seq_lens, qlens_t)
+    assert torch.allclose(got.float(), want, atol=2e-3)
+    assert torch.equal(got[1:, :, 9:], torch.zeros_like(got[1:, :, 9:]))  # zeros past each row's queries
+    with pytest.raises(ShapeError, match="sequence 1: 10 queries but 9 tokens"):
+        pp.paged_prefill_attention(
+            query, pool[:, 0], pool[:, 1], tables, seq_lens, torch.tensor([1, 10, 0], device=DEVICE)
+        )
+
+
 @pytest.mark.parametrize(
     "scheme", ["int8", pytest.param("fp8", marks=pytest.mark.skipif(not FP8_OK, reason="fp8 kernels: sm_89+"))]
 )
@@ -391,3 +428,4 @@ def test_gpu_check_script_without_a_gpu(tmp_path):
     report = json.loads(lines[0])
     assert report["gpu"] is False and "no CUDA device" in report["skipped"]
     assert report["torch"] == torch.__version__ and report["logs"] == str(tmp_path)
+    assert report["pytest"] == pytest.__version__  # what the device's Python lacks shows before any GPU run

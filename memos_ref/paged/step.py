@@ -13,7 +13,7 @@ reaches ``seq_lens``; after the last layer the rows register their full blocks (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -144,9 +144,21 @@ class StepBatch:
         if key.device != self.pool.device or value.device != self.pool.device:
             raise DeviceError(f"key device {key.device} does not match the pool's {self.pool.device}")
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write(
+        self,
+        layer: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        store: Callable[[StepBatch, int, torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> None:
         """Store layer ``layer``'s K/V ``[B, H, n, D]`` of every row: one indexed store into a plain
-        single-segment pool, one ``pool.write`` otherwise (a quantized pool encodes, and checks the values)."""
+        single-segment pool, one ``pool.write`` otherwise (a quantized pool encodes, and checks the values).
+
+        ``store(step, layer, k, v)`` replaces that store (``k, v [B·n, H, D]``, row-major like
+        :attr:`slot_mapping`): the attention layer passes a kernel's write here (``memos_ref.attention.write_step``;
+        this layer imports no kernel). The checks before and the bookkeeping after are the same; a store that
+        raises leaves every row's counts as they were."""
         if not 0 <= layer < len(self.written):
             raise ConfigError(f"layer {layer} is not in [0, {len(self.written)})")
         if self.written[layer]:
@@ -159,7 +171,9 @@ class StepBatch:
         k = key.transpose(1, 2).reshape(-1, h, d)  # [B·n, H, D], row-major like the slot mapping
         v = value.transpose(1, 2).reshape(-1, h, d)
         pool = self.pool
-        if len(pool.segments) == 1 and not pool.quantized:
+        if store is not None:
+            store(self, layer, k, v)
+        elif len(pool.segments) == 1 and not pool.quantized:
             kv = pool.segments[0][:, layer]  # [N, 2, H, T, D]
             kv[self._blocks, :, :, self._offsets] = torch.stack((k, v), dim=1)  # [B·n, 2, H, D]
         else:
