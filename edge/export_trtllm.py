@@ -47,6 +47,7 @@ from memos_ref.model.rope_config import RopeConfig, read_rope_config
 
 __all__ = [
     "TOKENIZER_FILES",
+    "bias_flags",
     "convert",
     "export_tokenizer",
     "main",

@@ -164,3 +164,28 @@ def test_the_plan_cli_prints_plans_that_pass_the_checks(model, device, weights, 
     assert [v.variant for v in variants(cfg)] == ["reuse", "safe"]  # variants() runs check() on each
     assert main(["--model", model, "--device", device, "--weights", weights, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kv_tokens"] == p.kv_tokens
+
+
+def test_the_edge_readme_is_a_checklist_whose_plan_commands_run(capsys):
+    # issue 16 item 5: edge/README.md tells a JetPack 6.1 AGX Orin owner, from a fresh device, where TensorRT-LLM
+    # comes from (wheel recipe or container, mounts), how to copy, the on-device INT4 conversion, build/deploy,
+    # expected outputs and what to report; says which modules NVIDIA supports and that JetPack 6.0 won't work.
+    # Before: none of this was there, and the shipped model had no tokenizer files.
+    from memos_edge.plan import main
+
+    text = (REPO / "edge" / "README.md").read_text()
+    for needed in ("JetPack 6.1", "JetPack 6.0 will not work", "AGX Orin 64GB", "v0.12.0-jetson", "build_wheel.py",
+                   "--runtime nvidia", "-v ~/memos:/work", "rsync", "--use_weight_only --weight_only_precision int4",
+                   "bash deploy.sh", "results/results.json", "Report back", "gptSessionBenchmark", "--use_mmap",
+                   "--tokenizer_dir", "--skipInference", "paged addressing, not paged attention",
+                   "What only the device can verify"):  # fmt: skip
+        assert needed in text, needed
+    for name in SHIPPED:
+        assert f"jetson/{name}" in text or name == "deploy.sh", name
+    plans = [line.split("python -m memos_edge.plan ", 1)[1].split("#")[0].split()
+             for line in text.splitlines() if line.startswith("python -m memos_edge.plan ")]  # fmt: skip
+    plans = [argv for argv in plans if "/path/to/hf-model" not in argv]
+    assert len(plans) >= 4
+    for argv in plans:  # every plan command the README shows runs and fits
+        assert main(argv) == 0, argv
+        assert "INFEASIBLE" not in capsys.readouterr().out

@@ -148,3 +148,40 @@ def test_infeasible_plans_say_so_and_print_no_bounds(capsys):
     out = capsys.readouterr().out
     assert out.startswith("INFEASIBLE") and "decode bound" not in out
     assert plan("llama-3-8b", "orin-agx-64gb").feasible
+
+
+# ---------------------------------------------------------------------- the README's rows, recomputed
+_README_MODELS = {"Llama-2-7B": "llama-2-7b", "Llama-3-8B": "llama-3-8b", "Qwen2.5-7B": "qwen2.5-7b",
+                  "SmolLM2-135M": "smollm2-135m-instruct"}  # fmt: skip
+_README_DEVICES = {"Orin NX 16GB": "orin-nx-16gb", "Orin NX 8GB": "orin-nx-8gb", "AGX Orin 64GB": "orin-agx-64gb",
+                   "Orin Nano 8GB": "orin-nano-8gb"}  # fmt: skip
+
+
+def _first_int(cell: str) -> int:
+    import re
+
+    return int(re.match(r"\s*([\d,]+)", cell).group(1).replace(",", ""))
+
+
+def test_the_readme_edge_rows_are_the_planners():
+    # issue 16 "Done when: the README's edge rows are recomputed" — each row of README.md's planner table equals
+    # plan() now (before: "Qwen2.5-7B on Orin NX 8GB: 1,408 KV tokens" did not fit, Llama-3-8B's bound read 40.5)
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ")]
+    rows = [r for r in rows if len(r) == 6 and r[0].split()[0] in _README_MODELS]
+    assert len(rows) >= 4, "README.md's edge planner table is missing"
+    for model_cell, device_cell, t_cell, kv_cell, ctx_cell, bound_cell in rows:
+        name, *precision = model_cell.split()
+        weights = precision[0].lower() if precision else "int4"  # the table's default
+        p = plan(_README_MODELS[name], _README_DEVICES[device_cell.strip()], weights=weights)
+        where = f"README row {name} {weights} on {device_cell.strip()}"
+        if "does not fit" in kv_cell:
+            assert not p.feasible, where
+            continue
+        assert p.feasible and _first_int(t_cell) == p.tokens_per_block and _first_int(kv_cell) == p.kv_tokens, where
+        assert _first_int(ctx_cell) == p.max_context_by_batch[1], where
+        shown = bound_cell.split()[0]
+        decimals = len(shown.split(".")[1]) if "." in shown else 0
+        assert float(shown) == round(p.decode_tokens_per_s_bound["batch1_ctx1024"], decimals), where
