@@ -3,17 +3,24 @@
 * one Prometheus mechanism (:mod:`memos_ref.promutil`) under the paged pool's, the short-term memory's and the
   tiers' exporters — each still exposes exactly the metric families (names, types, labels) it exposed when it
   was a collector of its own (the lists below were read from the three old collectors' expositions);
+* one LRU bookkeeping (:class:`memos_ref.lru.SizedLRU`) under the short-term memory store and the tier
+  backends' byte budgets, checked against the ``OrderedDict`` bookkeeping each wrote by hand before.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from memos_ref.memory import MemoryBackend, MemoryMetrics
+from memos_ref.lru import SizedLRU
+from memos_ref.memory import MemoryBackend, MemoryMetrics, TTLStore
 from memos_ref.metrics import PagedMetrics
 from memos_ref.paged import PagedKV
 from memos_ref.promutil import ScrapeExporter, counter, family_types, gauge
@@ -133,3 +140,57 @@ def test_exporters_have_their_own_registries():
     assert a.registry is not b.registry
     renamed = {name.replace("memos_memory", "other") for name in family_types(a.exposition())}
     assert set(family_types(b.exposition())) == renamed
+
+
+# ---------------------------------------------------------------------- one LRU bookkeeping
+_OPS = st.lists(
+    st.tuples(st.sampled_from(["put", "touch", "pop", "oldest"]), st.integers(0, 7), st.integers(1, 50)),
+    max_size=80,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_OPS)
+def test_sized_lru_matches_an_ordered_dict_model(ops):
+    """SizedLRU against the OrderedDict bookkeeping both stores wrote by hand before."""
+    lru, model = SizedLRU(int), OrderedDict()
+    for op, k, size in ops:
+        key = f"k{k}"
+        if op == "put":
+            lru.put(key, size)
+            model.pop(key, None)
+            model[key] = size
+        elif op == "touch" and key in model:
+            lru.touch(key)
+            model.move_to_end(key)
+        elif op == "pop" and key in model:
+            assert lru.pop(key) == model.pop(key)
+        elif op == "oldest":
+            assert lru.oldest(exclude=key) == next((x for x in model if x != key), None)
+        assert list(lru) == list(model) and lru.total == sum(model.values()) and len(lru) == len(model)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 11)), max_size=60))
+def test_both_users_evict_the_least_recently_used(trace):
+    """The memory store (policy "lru", 4 entries) and the host tier (a budget of 4 equal blocks) replay one trace
+    of reads and writes and keep the same keys as an OrderedDict LRU of 4 — the same bookkeeping under both."""
+    store = TTLStore(max_entries=4, policy="lru", default_ttl=None)
+    tier = HostMemoryBackend(4 * 8, pin=False)
+    model: OrderedDict[str, None] = OrderedDict()
+    for write, k in trace:
+        key = f"{k:02d}" * 4  # a valid block key and a valid memory key
+        if write:
+            store.set(key, "x")
+            tier.put(key, b"8 bytes!")
+            model.pop(key, None)
+            model[key] = None
+            while len(model) > 4:
+                model.popitem(last=False)
+        else:
+            store.get(key)
+            tier.get(key)
+            if key in model:
+                model.move_to_end(key)
+    assert [e.key for e in store.entries()] == list(model) == tier.keys()
+    assert store.bytes == sum(e.size_bytes for e in store.entries()) and tier.nbytes == 8 * len(model)

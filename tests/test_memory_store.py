@@ -236,6 +236,28 @@ def test_frequency_keeps_hot_entries_through_scans():
     assert rates["lfu"]["hit_rate_hot"] > rates["lru"]["hit_rate_hot"]  # scans flush LRU's hot entries
     assert all(r["hit_rate_scan"] == 0 for r in rates.values())  # one-off reads can never hit
     assert max(r["hit_rate"] for r in rates.values()) == rates["unbounded"]["hit_rate"]
+    subset = policy_hit_rates(capacity=64, num_ops=4_000, policies=["lfu", "lru"])
+    assert subset == {name: rates[name] for name in ("lfu", "lru")}  # the same replay, fewer policies
+    with pytest.raises(ConfigError, match="unknown policies"):
+        policy_hit_rates(capacity=64, num_ops=10, policies=["lru", "clock"])
+
+
+def test_bench_throughput_uses_the_shared_timer(monkeypatch):
+    """bench memory times its runs with bench.common.time_calls_ms (one timer for the benchmarks)."""
+    from memos_ref.bench import memory as bench_memory
+
+    timed = []
+    real = bench_memory.time_calls_ms
+
+    def spy(fn, repeats, warmup=1):
+        timed.append(repeats)
+        return real(fn, repeats, warmup)
+
+    monkeypatch.setattr(bench_memory, "time_calls_ms", spy)
+    store = ShardedStore(shards=2)
+    ops = [("set", f"k{i}", i) for i in range(50)] + [("get", f"k{i}", None) for i in range(50)]
+    rate = bench_memory.ops_per_s(store.get, store.set, ops, threads=2, repeats=2)
+    assert timed == [2] and rate > 0 and store.stats()["sets"] == 100 and store.stats()["hits"] == 100
 
 
 def test_public_accessors_for_inspection():

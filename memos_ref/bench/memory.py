@@ -19,17 +19,18 @@ import json
 import random
 import statistics
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from memos_ref.bench.common import envelope, format_table
+from memos_ref.bench.common import envelope, format_table, time_calls_ms
+from memos_ref.errors import ConfigError
 from memos_ref.memory import MemoryBackend, RedisBackend, RedisServer, TTLStore, redis_server_path
 from memos_ref.memory.access_pattern import agent_memory_trace, replay_hit_rate
+from memos_ref.memory.backend import key_list
 
-__all__ = ["POLICY_CONFIGS", "human", "plot", "policy_hit_rates", "run"]
+__all__ = ["POLICY_CONFIGS", "human", "ops_per_s", "plot", "policy_hit_rates", "run"]
 
 #: name -> TTLStore keyword arguments compared on the agent pattern.
 POLICY_CONFIGS: dict[str, dict[str, Any]] = {
@@ -49,16 +50,25 @@ class _Clock:
         return self.now
 
 
-def policy_hit_rates(capacity: int = 128, num_ops: int = 20_000, seed: int = 0) -> dict[str, dict[str, float]]:
-    """Hit rates (overall and per kind of access) of every policy, cachetools' TTLCache and an unbounded cache."""
+def policy_hit_rates(
+    capacity: int = 128, num_ops: int = 20_000, seed: int = 0, policies: Iterable[str] | None = None
+) -> dict[str, dict[str, float]]:
+    """Hit rates (overall and per kind of access) of every policy, cachetools' TTLCache and an unbounded cache;
+    with ``policies`` (names of :data:`POLICY_CONFIGS`), of those policies only."""
     import cachetools
 
+    names = list(POLICY_CONFIGS) if policies is None else key_list(policies)
+    unknown = [name for name in names if name not in POLICY_CONFIGS]
+    if unknown:
+        raise ConfigError(f"unknown policies {unknown}: expected names from {list(POLICY_CONFIGS)}")
     trace = agent_memory_trace(num_ops, seed=seed)
     out: dict[str, dict[str, float]] = {}
-    for name, kwargs in POLICY_CONFIGS.items():
+    for name in names:
         clock = _Clock()
-        store = TTLStore(max_entries=capacity, default_ttl=300.0, clock=clock, **kwargs)
+        store = TTLStore(max_entries=capacity, default_ttl=300.0, clock=clock, **POLICY_CONFIGS[name])
         out[name] = replay_hit_rate(store.get, store.set, trace, clock)
+    if policies is not None:
+        return out
     clock = _Clock()
     ttl_cache = cachetools.TTLCache(maxsize=capacity, ttl=300.0, timer=clock)
     out["cachetools_ttl"] = replay_hit_rate(ttl_cache.get, ttl_cache.__setitem__, trace, clock)
@@ -86,7 +96,7 @@ def _value(key: str) -> dict[str, Any]:
     return {"tool": "search", "args": {"q": key}, "result": [0.25, 0.5, 0.75, 1.0]}
 
 
-def _ops_per_s(get: Callable, set_: Callable, ops: list, threads: int, repeats: int = 3) -> float:
+def ops_per_s(get: Callable, set_: Callable, ops: list, threads: int, repeats: int = 3) -> float:
     """Median over ``repeats`` of total operations / wall time, the op list split evenly across ``threads``."""
     parts = [ops[i::threads] for i in range(threads)]
 
@@ -97,16 +107,15 @@ def _ops_per_s(get: Callable, set_: Callable, ops: list, threads: int, repeats: 
             else:
                 set_(key, value)
 
-    rates = []
-    for _ in range(repeats):
+    def run_all() -> None:
         workers = [threading.Thread(target=work, args=(p,)) for p in parts]
-        started = time.perf_counter()
         for w in workers:
             w.start()
         for w in workers:
             w.join()
-        rates.append(len(ops) / (time.perf_counter() - started))
-    return statistics.median(rates)
+
+    _, samples_ms = time_calls_ms(run_all, repeats, warmup=0)  # the benchmarks' one timer
+    return statistics.median(len(ops) / (ms / 1e3) for ms in samples_ms)
 
 
 class _LockedTTLCache:
@@ -149,10 +158,10 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
         store = MemoryBackend(shards=shards, max_entries=num_keys * 2, default_ttl=300.0)
         preload(store.set)
         row = {"backend": backend_name, "shards": shards, "threads": threads}
-        row["mix_ops_per_s"] = _ops_per_s(store.get, store.set, ops, threads)
+        row["mix_ops_per_s"] = ops_per_s(store.get, store.set, ops, threads)
         if threads == 1 and shards == 1:
-            row["get_ops_per_s"] = _ops_per_s(store.get, store.set, get_only, 1)
-            row["set_ops_per_s"] = _ops_per_s(store.get, store.set, set_only, 1)
+            row["get_ops_per_s"] = ops_per_s(store.get, store.set, get_only, 1)
+            row["set_ops_per_s"] = ops_per_s(store.get, store.set, set_only, 1)
         results.append(row)
         bar.update()
     for copy in (False, True):
@@ -160,9 +169,9 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
         preload(cache.set)
         name = "cachetools_ttl_json_copy" if copy else "cachetools_ttl"
         row = {"backend": name, "shards": 1, "threads": 1}
-        row["mix_ops_per_s"] = _ops_per_s(cache.get, cache.set, ops, 1)
-        row["get_ops_per_s"] = _ops_per_s(cache.get, cache.set, get_only, 1)
-        row["set_ops_per_s"] = _ops_per_s(cache.get, cache.set, set_only, 1)
+        row["mix_ops_per_s"] = ops_per_s(cache.get, cache.set, ops, 1)
+        row["get_ops_per_s"] = ops_per_s(cache.get, cache.set, get_only, 1)
+        row["set_ops_per_s"] = ops_per_s(cache.get, cache.set, set_only, 1)
         results.append(row)
         bar.update()
 
@@ -177,15 +186,13 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
             r_ops = ops[:redis_ops]
             for threads in (1, 4):
                 row = {"backend": "redis", "shards": 1, "threads": threads}
-                row["mix_ops_per_s"] = _ops_per_s(backend.get, backend.set, r_ops, threads)
+                row["mix_ops_per_s"] = ops_per_s(backend.get, backend.set, r_ops, threads)
                 if threads == 1:
-                    row["get_ops_per_s"] = _ops_per_s(backend.get, backend.set, get_only[:redis_ops], 1)
-                    row["set_ops_per_s"] = _ops_per_s(backend.get, backend.set, set_only[:redis_ops], 1)
+                    row["get_ops_per_s"] = ops_per_s(backend.get, backend.set, get_only[:redis_ops], 1)
+                    row["set_ops_per_s"] = ops_per_s(backend.get, backend.set, set_only[:redis_ops], 1)
                     batches = [[k for _, k, _ in r_ops[i : i + 100]] for i in range(0, len(r_ops), 100)]
-                    started = time.perf_counter()
-                    for batch in batches:
-                        backend.get_many(batch)
-                    row["mget100_get_ops_per_s"] = len(r_ops) / (time.perf_counter() - started)
+                    _, (ms,) = time_calls_ms(lambda b=batches: [backend.get_many(x) for x in b], 1, warmup=0)
+                    row["mget100_get_ops_per_s"] = len(r_ops) / (ms / 1e3)
                 results.append(row)
             backend.clear()
         bar.update()

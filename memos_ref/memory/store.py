@@ -21,12 +21,13 @@ from __future__ import annotations
 import heapq
 import json
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from memos_ref.errors import ArgumentTypeError, CapacityExceededError, ConfigError, check_type
+from memos_ref.lru import SizedLRU
 from memos_ref.resilient import validate_ttl
 
 __all__ = ["POLICIES", "KVEntry", "TTLStore", "encode_value", "validate_key"]
@@ -128,11 +129,15 @@ class TTLStore:
         self.policy, self.default_ttl, self.clock = policy, default_ttl, clock
         self.hybrid_a, self.hybrid_b = hybrid_weights
         self.sample = sample
-        self._entries: OrderedDict[str, KVEntry] = OrderedDict()  # least recently used first
+        self._entries: SizedLRU[KVEntry] = SizedLRU(lambda e: e.size_bytes)  # least recently used first
         self._heap: list[tuple[float, int, str]] = []  # (expire_at, version, key)
         self._version = 0
-        self.bytes = 0
         self.stats: Counter[str] = Counter()
+
+    @property
+    def bytes(self) -> int:
+        """Bytes held: JSON values plus keys of every entry (expired ones not yet swept included)."""
+        return self._entries.total
 
     # ------------------------------------------------------------------ basics
     def __len__(self) -> int:
@@ -146,8 +151,7 @@ class TTLStore:
         return entry.expire_at is not None and now >= entry.expire_at
 
     def _remove(self, key: str, reason: str | None = None) -> None:
-        entry = self._entries.pop(key)
-        self.bytes -= entry.size_bytes
+        self._entries.pop(key)
         if reason:
             self.stats[reason] += 1
 
@@ -155,7 +159,6 @@ class TTLStore:
         """Store ``value`` (JSON-serialisable) for ``ttl`` seconds (default: the store's); resets its count."""
         validate_key(key)
         payload = encode_value(key, value, self.max_value_bytes)
-        size = len(payload) + len(key)
         ttl = validate_ttl(self.default_ttl if ttl is ... else ttl)
         now = self.clock()
         if key in self._entries:
@@ -163,8 +166,7 @@ class TTLStore:
         self._version += 1
         expire_at = None if ttl is None else now + ttl
         entry = KVEntry(key, payload, expire_at, 0, now, now, self._version)
-        self._entries[key] = entry
-        self.bytes += size
+        self._entries.put(key, entry)
         if expire_at is not None:
             heapq.heappush(self._heap, (expire_at, self._version, key))
         self.stats["sets"] += 1
@@ -184,7 +186,7 @@ class TTLStore:
             return default
         entry.access_count += 1
         entry.last_access = now
-        self._entries.move_to_end(key)
+        self._entries.touch(key)
         self.stats["hits"] += 1
         return json.loads(entry.payload)
 
@@ -213,7 +215,6 @@ class TTLStore:
         self.stats["deletes"] += len(self._entries)
         self._entries.clear()
         self._heap.clear()
-        self.bytes = 0
 
     def update(self, key: str, fn: Callable[[Any], Any], default: Any = None, ttl: float | None = ...) -> Any:  # type: ignore[assignment]
         """Store and return ``fn(current)`` (``current``: the live value, or ``default``). One shard is not
@@ -263,15 +264,15 @@ class TTLStore:
 
     def _victim(self, protect: str) -> str:
         if self.policy == "lru":
-            return next(k for k in self._entries if k != protect)
+            return self._entries.oldest(exclude=protect)
         now = self.clock()
-        candidates = []
-        for key in self._entries:  # least recently used first
+        candidates: list[tuple[str, KVEntry]] = []
+        for key, entry in self._entries.items():  # least recently used first
             if key != protect:
-                candidates.append(key)
+                candidates.append((key, entry))
             if self.sample is not None and len(candidates) >= self.sample:
                 break
-        return min(candidates, key=lambda k: self.score(self._entries[k], now))
+        return min(candidates, key=lambda item: self.score(item[1], now))[0]
 
     def _evict_to_fit(self, protect: str) -> None:
         if len(self._entries) > self.max_entries or self.bytes > self.max_bytes:

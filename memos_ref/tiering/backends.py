@@ -24,7 +24,7 @@ import stat
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from memos_ref.errors import ArgumentTypeError, ConfigError, check_type
+from memos_ref.lru import SizedLRU
 from memos_ref.resilient import (
     DEFAULT_FAILURE_THRESHOLD,
     DEFAULT_TIMEOUT_S,
@@ -125,14 +126,13 @@ class _BudgetLRU(TierBackend):
         budget_bytes = _positive_int("budget_bytes", budget_bytes)
         super().__init__(budget_bytes if max_item_bytes is None else max_item_bytes)
         self.budget_bytes = budget_bytes
-        self._sizes: OrderedDict[str, int] = OrderedDict()
-        self._used = 0
+        self._sizes: SizedLRU[int] = SizedLRU(int)  # key -> stored bytes, least recently used first
         #: called with (key, data) for each block evicted to fit the budget (the tier store demotes it)
         self.on_evict: Callable[[str, bytes], None] | None = None
 
     @property
     def nbytes(self) -> int:
-        return self._used
+        return self._sizes.total
 
     def keys(self) -> list[str]:
         with self._lock:
@@ -155,19 +155,18 @@ class _BudgetLRU(TierBackend):
         if size > self.budget_bytes or size > self.max_item_bytes:
             self.counts["rejected"] += 1
             return False
-        self._make_room(size - self._sizes.get(key, 0), keep=key)
+        self._make_room(size - (self._sizes.get(key) or 0), keep=key)
         return True
 
     def _commit(self, key: str, size: int) -> None:
-        self._used += size - self._sizes.pop(key, 0)
-        self._sizes[key] = size  # most recently used
+        self._sizes.put(key, size)  # most recently used
         self.counts["puts"] += 1
 
     def _make_room(self, need: int, keep: str) -> None:
         """Evict least recently used entries other than ``keep`` (the key being replaced, whose old size is
         still counted) until ``need`` more bytes fit."""
-        while self._used + need > self.budget_bytes:
-            victim = next((k for k in self._sizes if k != keep), None)
+        while self._sizes.total + need > self.budget_bytes:
+            victim = self._sizes.oldest(exclude=keep)
             if victim is None:
                 break
             if self.on_evict is not None:
@@ -238,12 +237,12 @@ class HostMemoryBackend(_BudgetLRU):
                 self.counts["corrupt"] += 1
                 self.counts["misses"] += 1
                 return None
-            self._sizes.move_to_end(key)
+            self._sizes.touch(key)
             self.counts["hits"] += 1
             return value.numpy().tobytes() if isinstance(value, torch.Tensor) else value
 
     def _drop(self, key: str) -> None:
-        self._used -= self._sizes.pop(key)
+        self._sizes.pop(key)
         del self._data[key]
 
     def _peek(self, key: str) -> bytes | None:
@@ -337,8 +336,7 @@ class DiskBackend(_BudgetLRU):
         for shard in self._shards():
             found += self._scan_shard(shard)
         for _, key, size in sorted(found):
-            self._sizes[key] = size
-            self._used += size
+            self._sizes.put(key, size)
 
     # ------------------------------------------------------------------ paths, confined
     def path(self, key: str) -> Path:
@@ -459,7 +457,7 @@ class DiskBackend(_BudgetLRU):
             if exc.errno != errno.ENOENT:
                 self._failed(exc)
         if key in self._sizes:
-            self._used -= self._sizes.pop(key)
+            self._sizes.pop(key)
         return None
 
     # ------------------------------------------------------------------ the interface
@@ -504,12 +502,12 @@ class DiskBackend(_BudgetLRU):
             if data is None:
                 self.counts["misses"] += 1
                 return None
-            self._sizes.move_to_end(key)
+            self._sizes.touch(key)
             self.counts["hits"] += 1
             return data
 
     def _drop(self, key: str) -> None:
-        self._used -= self._sizes.pop(key)
+        self._sizes.pop(key)
         try:
             with self._dir(key[:2]) as dfd:
                 self._unlink(f"{key}{self.SUFFIX}", dfd)
