@@ -275,6 +275,7 @@ def test_admit_validates_the_prompt_once_and_hashes_each_block_once(monkeypatch)
     _written(kv, ids[:48]).free()  # 6 blocks cached
     expected = kv.prefix_cache.hashes([*ids, *range(8)])  # 11 full blocks
     checks = [_counting(monkeypatch, m, "check_token_ids") for m in (prefix_module, sequence_module)]
+    checks.append(_counting(monkeypatch, sequence_module, "pack_token_ids"))  # the check that also packs
     hashes = _counting(monkeypatch, prefix_module.hashlib, "blake2b")
     seq = kv.new_sequence()
     assert seq.admit(ids) == range(48, 80)  # 6 blocks reused, 4 new
@@ -346,3 +347,53 @@ def test_bench_allocator_reports_median_min_max_and_ours_over_each_contender(mon
         low, high = summary[f"ours_over_peer_pool_{key}_min_max"]
         assert low <= high and summary[f"ours_over_peer_pool_{key}"] > 0
     assert report["config"]["interleaved"] is True
+
+
+def test_admit_packs_the_prompt_once_and_the_index_verifies_blocks_by_their_packed_ids(monkeypatch):
+    """The prompt is validated and packed by one call (pack_token_ids), the lookup hashes and verifies those
+    bytes, and the index keeps each block's ids packed (tokens_of unpacks them). A forged entry under a
+    matching hash with other ids is still refused (the collision check stays)."""
+    from array import array
+
+    import memos_ref.paged.sequence as sequence_module
+
+    kv = PagedKV(SPEC, 32)
+    ids = list(range(40))
+    _written(kv, ids[:24]).free()  # 3 blocks cached
+    packs = _counting(monkeypatch, sequence_module, "pack_token_ids")
+    arrays = _counting(monkeypatch, prefix_module, "array")  # every packing in the prefix module (hashes, lookup)
+    seq = kv.new_sequence()
+    assert seq.admit(ids) == range(24, 40) and packs["n"] == 1 and arrays["n"] == 1  # packed once
+    for i, block in enumerate(seq.block_table[:5]):
+        assert kv.allocator.tokens_by_block[block] == array("q", ids[i * 8 : (i + 1) * 8]).tobytes()
+        assert kv.allocator.tokens_of(block) == tuple(ids[i * 8 : (i + 1) * 8])
+    # a collision: block 0's hash now claims other ids -> no hit, with or without packed bytes
+    kv.allocator.tokens_by_block[seq.block_table[0]] = array("q", [7] * 8).tobytes()
+    chain = kv.prefix_cache.hashes(ids[:32])
+    assert kv.allocator.match_prefix(chain, ids, 8) == []
+    assert kv.allocator.match_prefix(chain, ids, 8, packed=array("q", ids).tobytes()) == []
+    assert kv.allocator.take_cached(chain[0], ids[:8]) is None
+    assert kv.allocator.take_cached(chain[1], [2**70] * 8) is None  # unpackable ids match nothing
+
+
+_ID = st.one_of(
+    st.integers(-3, 2**64), st.booleans(), st.floats(allow_nan=False, width=16), st.sampled_from([-1, 2**63 - 1])
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_ID, max_size=12), st.booleans())
+def test_pack_token_ids_accepts_and_refuses_exactly_what_check_token_ids_does(ids, long):
+    """The one-pass check admit uses: same ids back, same error class, and the packed bytes of those ids."""
+    from array import array
+
+    ids = ids * (60 if long else 1)  # long prompts take the vectorised minimum
+    try:
+        want = prefix_module.check_token_ids("t", ids)
+    except Exception as exc:
+        with pytest.raises(type(exc)):
+            prefix_module.pack_token_ids("t", ids)
+        return
+    got, packed = prefix_module.pack_token_ids("t", ids)
+    assert got == want and all(type(t) is int for t in got) and packed == array("q", want).tobytes()
+    assert got is not ids  # a copy: the caller's list stays the caller's

@@ -15,7 +15,8 @@ Python ``deque.remove`` cannot (it scans, so its cost grows with the pool). Refc
 
 **The prefix-hash index** lives here too: ``hash -> block`` with the block's token ids for verification
 (:meth:`cache_block`, :meth:`uncache`, :meth:`match_prefix`, :meth:`take_cached`). Evicting a cached block
-drops its hash in the same step, so the index and the lists can never disagree.
+drops its hash in the same step, so the index and the lists can never disagree. A block's token ids are kept
+packed (signed 64-bit, the bytes its hash covers): a lookup verifies a block with one ``bytes`` comparison.
 :class:`~memos_ref.paged.prefix.PrefixCache` is the hashing and statistics front end over this index.
 
 **Events** instead of hook chains: every change a consumer may care about is appended as a
@@ -41,6 +42,7 @@ from enum import IntEnum
 from typing import NamedTuple
 
 from memos_ref.errors import (
+    ArgumentTypeError,
     ConfigError,
     DoubleFreeError,
     InvalidArgumentError,
@@ -64,6 +66,7 @@ __all__ = [
     "BlockEvent",
     "BlockState",
     "EventQueue",
+    "pack_ids",
 ]
 
 
@@ -207,9 +210,10 @@ class BlockAllocator:
         self.refcount = array("l", [0]) * num_blocks
         self.state = bytearray(num_blocks)  # BlockState.FREE == 0
         self.cacheable = bytearray(num_blocks)
-        # the prefix-hash index: hash -> block, and per indexed block its hash and token ids (read-only outside)
+        # the prefix-hash index: hash -> block, and per indexed block its hash and its token ids packed as int64
+        # bytes (read-only outside; tokens_of() unpacks them)
         self.hash_by_block: dict[int, bytes] = {}
-        self.tokens_by_block: dict[int, tuple[int, ...]] = {}
+        self.tokens_by_block: dict[int, bytes] = {}
         self._by_hash: dict[bytes, int] = {}
         # Nodes 0..N-1 are blocks; N and N+1 are the sentinels of the free and cached lists.
         self._prev = array("q", range(-1, num_blocks + 1))
@@ -230,6 +234,56 @@ class BlockAllocator:
         for kind, fn in ((EVICTED, on_evict), (FREED, on_free), (CACHED, on_cache)):
             if fn is not None:
                 self.subscribe({kind}, handler=_block_handler(fn))
+
+    # ------------------------------------------------------------------ growth
+    def grow(self, n: int) -> range:
+        """Add ``n`` free blocks with the next ids (``num_blocks .. num_blocks + n - 1``), appended to the back of
+        the free list in id order — the bookkeeping half of a pool that grows by a segment
+        (:meth:`memos_ref.paged.store.PagedKV.grow` grows both). Every block state, list and the hash index are
+        kept; the per-block arrays are extended in place. All or nothing: a bad ``n`` raises before any change.
+        Returns the new ids."""
+        if isinstance(n, bool) or type(n) is not int:
+            n = check_index("n", n, lo=1)
+        if n < 1:
+            raise InvalidArgumentError(f"n: expected a positive number of blocks to add, got {n}")
+        with self._lock:
+            old = self.num_blocks
+            new = old + n
+            # the two sentinels move from old, old+1 to new, new+1; the nodes linked to them are re-pointed
+            prev, nxt = array("q", self._prev), array("q", self._next)  # built first: a failure changes nothing
+            tail = array("q", [-1]) * (n + 2)
+            del prev[old:], nxt[old:]
+            prev.extend(tail)
+            nxt.extend(tail)
+            for lst, sentinel in ((self._free, new), (self._cached, new + 1)):
+                s = lst.sentinel
+                first, last = self._next[s], self._prev[s]
+                if first == s:  # empty
+                    prev[sentinel] = nxt[sentinel] = sentinel
+                else:
+                    nxt[sentinel], prev[first] = first, sentinel
+                    prev[sentinel], nxt[last] = last, sentinel
+            # the new blocks, in order, at the back of the free list
+            free_s = new
+            last = prev[free_s]
+            prev[old:new] = array("q", range(old - 1, new - 1))
+            nxt[old:new] = array("q", range(old + 1, new + 1))
+            prev[old], nxt[last] = last, old
+            nxt[new - 1], prev[free_s] = free_s, new - 1
+            # commit: extend the shared arrays in place (sequences hold references to refcount)
+            try:
+                self.refcount.extend(array("l", [0]) * n)
+                self.state.extend(bytes(n))  # FREE
+                self.cacheable.extend(bytes(n))
+            except BaseException:  # (out of memory) every array back to its old length
+                del self.refcount[old:], self.state[old:], self.cacheable[old:]
+                raise
+            self._prev[:] = prev
+            self._next[:] = nxt
+            self._free.sentinel, self._cached.sentinel = new, new + 1
+            self._free.size += n
+            self.num_blocks = new
+            return range(old, new)
 
     # ------------------------------------------------------------------ events
     @property
@@ -517,7 +571,8 @@ class BlockAllocator:
 
     def tokens_of(self, block: int) -> tuple[int, ...] | None:
         """The token ids of an indexed block (what a lookup verifies), or None."""
-        return self.tokens_by_block.get(self._check_id(block))
+        packed = self.tokens_by_block.get(self._check_id(block))
+        return None if packed is None else tuple(array("q", packed))
 
     def block_with_hash(self, block_hash: bytes) -> int | None:
         """The block indexed under ``block_hash`` (active or cached), or None."""
@@ -532,21 +587,24 @@ class BlockAllocator:
     def num_indexed(self) -> int:
         return len(self._by_hash)
 
-    def cache_block(self, block: int, block_hash: bytes, tokens: Sequence[int]) -> bool:
+    def cache_block(self, block: int, block_hash: bytes, tokens: Sequence[int], *, packed: bytes | None = None) -> bool:
         """Index the full, written ``block`` under ``block_hash`` with its token ids (it is cached, not freed, at
         refcount 0). False when the hash is already indexed (another block holds that content; this one stays
-        private) or the block already has a hash. Emits ``stored``."""
+        private) or the block already has a hash. Emits ``stored``. ``packed``: the caller's ``tokens`` already
+        packed as int64 bytes (:func:`pack_ids`), so they are not packed again."""
         block = self._check_id(block)
         check_type("block_hash", block_hash, bytes)
+        if packed is None:
+            packed = _pack_checked("tokens", tokens)
         with self._lock:
             if self.state[block] == _FREE:
                 raise InvalidBlockError(f"block {block} is free: only a held, written block can be cached")
-            stored = self._index(block, block_hash, tuple(tokens))
+            stored = self._index(block, block_hash, packed)
             if self._pending:
                 self._dispatch()
             return stored
 
-    def _index(self, block: int, block_hash: bytes, tokens: tuple[int, ...]) -> bool:
+    def _index(self, block: int, block_hash: bytes, tokens: bytes) -> bool:
         if block_hash in self._by_hash or block in self.hash_by_block:
             return False
         self._by_hash[block_hash] = block
@@ -559,24 +617,36 @@ class BlockAllocator:
         return True
 
     def cache_blocks(
-        self, blocks: Sequence[int], hashes: Sequence[bytes], token_ids: Sequence[int], block_size: int
+        self,
+        blocks: Sequence[int],
+        hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        packed: bytes | None = None,
     ) -> int:
         """Index full blocks in one call: ``blocks[i]`` holds ``token_ids[i*block_size:(i+1)*block_size]`` under
-        ``hashes[i]`` (the caller's guarantee: they are held and written). Returns how many were newly indexed."""
+        ``hashes[i]`` (the caller's guarantee: they are held and written). Returns how many were newly indexed.
+        ``packed``: ``token_ids`` already packed as int64 bytes (:func:`pack_ids`), so they are not packed again."""
         if not len(blocks) == len(hashes) or len(token_ids) < len(blocks) * block_size:
             raise ShapeError(
                 f"{len(blocks)} blocks need {len(blocks)} hashes and {len(blocks) * block_size} token ids, got "
                 f"{len(hashes)} and {len(token_ids)}"
             )
+        width = 8 * block_size
+        if packed is None:
+            packed = _pack_checked("token_ids", token_ids[: len(blocks) * block_size])
+        elif len(packed) < len(blocks) * width:
+            raise ShapeError(f"{len(blocks)} blocks need {len(blocks) * width} packed bytes, got {len(packed)}")
         blocks = self._check_ids(blocks)
         with self._lock:
             state = self.state
-            for b in blocks:
-                if state[b] == _FREE:
-                    raise InvalidBlockError(f"block {b} is free: only held, written blocks can be cached")
+            if blocks and _FREE in set(map(state.__getitem__, blocks)):
+                b = next(b for b in blocks if state[b] == _FREE)
+                raise InvalidBlockError(f"block {b} is free: only held, written blocks can be cached")
             stored, index = 0, self._index
             for i, (b, h) in enumerate(zip(blocks, hashes)):
-                stored += index(b, h, tuple(token_ids[i * block_size : (i + 1) * block_size]))
+                stored += index(b, h, packed[i * width : (i + 1) * width])
             if self._pending:
                 self._dispatch()
             return stored
@@ -609,19 +679,27 @@ class BlockAllocator:
         caller owns it); None on a miss."""
         with self._lock:
             block = self._by_hash.get(block_hash)
-            if block is None or self.tokens_by_block.get(block) != tuple(tokens):
+            if block is None or self.tokens_by_block.get(block) != pack_ids(tokens):
                 return None
             self.incref(block)
             return block
 
     def match_prefix(
-        self, hashes: Iterable[bytes], token_ids: Sequence[int], block_size: int, start: int = 0
+        self,
+        hashes: Iterable[bytes],
+        token_ids: Sequence[int],
+        block_size: int,
+        start: int = 0,
+        *,
+        packed: bytes | None = None,
     ) -> list[int]:
         """Longest run of indexed blocks continuing a prefix: block ``start + i`` must be indexed under
         ``hashes[i]`` with ``token_ids[(start+i)*block_size : ...]`` as its tokens. Each block found gets one more
         holder (the caller owns those references). ``hashes`` may be a lazy iterator: it is consumed only up to
-        the first miss, so a prompt is hashed no further than its cached prefix."""
+        the first miss, so a prompt is hashed no further than its cached prefix. ``packed``: ``token_ids`` packed
+        as int64 bytes (:func:`pack_ids`; what the caller hashed), so each block is verified by one comparison."""
         found: list[int] = []
+        width = 8 * block_size
         with self._lock:
             by_hash, tokens_of = self._by_hash, self.tokens_by_block
             position = start * block_size
@@ -630,7 +708,11 @@ class BlockAllocator:
                 if block is None:
                     break
                 # verify the token ids: a hash collision must not return wrong KV
-                if tokens_of[block] != tuple(token_ids[position : position + block_size]):
+                if packed is not None:
+                    held = packed[position * 8 : position * 8 + width]
+                else:
+                    held = pack_ids(token_ids[position : position + block_size])
+                if tokens_of[block] != held:
                     break
                 found.append(block)
                 position += block_size
@@ -651,6 +733,31 @@ class BlockAllocator:
                 "blocks_free": self.num_free,
                 "evictions": self.evictions,
             }
+
+
+def pack_ids(tokens: Sequence[int]) -> bytes | None:
+    """Token ids packed as signed 64-bit ints (the bytes a block hash covers), or None when they cannot be (a
+    non-integer, an id outside int64, a ``str``/``bytes``): such ids match no indexed block."""
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)):
+        return None
+    try:
+        return array("q", tokens).tobytes()
+    except (TypeError, OverflowError):
+        return None
+
+
+def _pack_checked(name: str, tokens: Sequence[int]) -> bytes:
+    """:func:`pack_ids`, refusing ids it cannot pack: :class:`ArgumentTypeError` for a non-integer,
+    :class:`InvalidArgumentError` for an id outside int64."""
+    packed = pack_ids(tokens)
+    if packed is None:
+        if isinstance(tokens, (str, bytes, bytearray, memoryview)):
+            raise ArgumentTypeError(f"{name}: expected a sequence of int token ids, got {type(tokens).__name__}")
+        bad = next((t for t in tokens if not hasattr(t, "__index__")), None)
+        if bad is not None:
+            raise ArgumentTypeError(f"{name}: expected int token ids, got {type(bad).__name__} ({bad!r:.40})")
+        raise InvalidArgumentError(f"{name}: token ids must fit a signed 64-bit int")
+    return packed
 
 
 def _block_handler(fn: Callable[[int], None]) -> Callable[[BlockEvent], None]:

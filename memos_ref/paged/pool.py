@@ -215,15 +215,35 @@ class BlockPool:
 
     # ------------------------------------------------------------------ structure
     def _add_segment(self, n: int) -> None:
+        segment = torch.zeros((n, *self.spec.block_shape), dtype=self.spec.dtype, device=self.device)  # may fail
         self._starts.append(self.num_blocks)
-        self.segments.append(torch.zeros((n, *self.spec.block_shape), dtype=self.spec.dtype, device=self.device))
+        self.segments.append(segment)
 
-    def grow(self, n: int) -> range:
-        """Add a segment of ``n`` blocks; returns the new block ids (append them to the allocator)."""
+    def grow(self, n: int, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> range:
+        """Add a segment of ``n`` blocks; returns the new block ids, which follow the old ones (grow the allocator by
+        as many: :meth:`memos_ref.paged.store.PagedKV.grow` does both). ``dtype`` / ``device``, when given, must
+        be the pool's (a segment of another dtype or device cannot join it: :class:`DTypeError` /
+        :class:`DeviceError`). All or nothing: on any error (a bad ``n``, out of memory) the pool is unchanged."""
         n = check_index("n", n, lo=1)
+        if dtype is not None and dtype != self.spec.dtype:
+            raise DTypeError(f"a new segment must hold the pool's dtype {self.spec.dtype}, got {dtype}")
+        if device is not None and torch.device(device) != self.device:
+            raise DeviceError(f"a new segment must live on the pool's device {self.device}, got {torch.device(device)}")
         start = self.num_blocks
         self._add_segment(n)
         return range(start, start + n)
+
+    def shrink(self, ids: range) -> None:
+        """Undo the last :meth:`grow`: drop its segment, whose ids ``ids`` it returned (the rollback of a grow
+        whose allocator half failed; only the last segment, never the first, can go)."""
+        check_type("ids", ids, range)
+        if len(self.segments) < 2 or ids != range(self._starts[-1], self.num_blocks):
+            raise InvalidArgumentError(
+                f"ids: only the last grown segment range({self._starts[-1]}, {self.num_blocks}) can be dropped "
+                f"(and never the first segment), got {ids}"
+            )
+        self.segments.pop()
+        self._starts.pop()
 
     @property
     def num_blocks(self) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from array import array
 from collections.abc import Sequence
 
 import torch
@@ -46,8 +47,10 @@ from memos_ref.paged.prefix import (
     PrefixCache,
     PrefixHit,
     check_token_ids,
-    hash_block,
+    hash_packed_block,
     iter_block_hashes,
+    iter_packed_hashes,
+    pack_token_ids,
 )
 
 __all__ = ["UNKNOWN_TOKEN", "SequenceCache", "check_token_ids"]
@@ -97,6 +100,10 @@ class SequenceCache:
         self.window_start = 0
         self._lock = threading.RLock()
         self._freed = False
+        # append_token's inline case reads these: live and no window to track; the allocator's refcounts and
+        # index (the same objects for the allocator's life: grow() extends them in place)
+        self._plain = not self._windows
+        self._refcount, self._indexed = allocator.refcount, allocator.hash_by_block
         if registry is not None:
             registry[self.seq_id] = self
 
@@ -352,19 +359,19 @@ class SequenceCache:
         at a time, as the engine and sessions do (other sequences may run concurrently; the allocator locks
         itself, and a private, unindexed tail is touched by no other sequence)."""
         start = self.num_tokens
+        t = self.block_size
         if (  # the common case inline: room in a private, unindexed tail (what _append_in_tail checks first)
-            start % self.block_size
-            and (start + 1) % self.block_size
+            start % t
+            and (start + 1) % t
             and type(token) is int
             and UNKNOWN_TOKEN <= token <= MAX_TOKEN_ID
-            and not self._freed
-            and not self._windows
-            and self.allocator.refcount[self.block_table[-1]] == 1
-            and self.block_table[-1] not in self.allocator.hash_by_block
+            and self._plain  # live, no residual window
+            and self._refcount[self.block_table[-1]] == 1
+            and self.block_table[-1] not in self._indexed
         ):
             self.token_ids.append(token)
-            self.num_tokens = start + 1
-            self.layer_tokens = [start + 1] * len(self.layer_tokens)
+            self.num_tokens = n = start + 1
+            self.layer_tokens = [n] * len(self.layer_tokens)
             return start
         with self._lock:
             start = self.num_tokens
@@ -411,9 +418,10 @@ class SequenceCache:
             self._register_full_blocks()
             return
         extra = self.prefix_cache.extra_key(self.cache_salt)  # type: ignore[union-attr]
-        block_hash = hash_block(chain[-1] if chain else b"", tokens, extra)
+        packed = array("q", tokens).tobytes()  # packed once: hashed, and kept by the index to verify lookups
+        block_hash = hash_packed_block(chain[-1] if chain else b"", packed, extra)
         chain.append(block_hash)
-        self.allocator.cache_block(self.block_table[-1], block_hash, tokens)
+        self.allocator.cache_block(self.block_table[-1], block_hash, tokens, packed=packed)
         self.num_registered = full
 
     def admit(self, token_ids: Sequence[int]) -> range:
@@ -428,14 +436,14 @@ class SequenceCache:
         self._check_live()
         if self.num_tokens or self.block_table:
             raise StateError(f"admit() starts an empty sequence; this one holds {self.num_tokens} tokens")
-        ids = check_token_ids("token_ids", token_ids)
+        ids, packed = pack_token_ids("token_ids", token_ids)  # validated once, packed once (hashes and checks)
         if self._windows:  # a quantized pool's residual windows: the general path keeps their bookkeeping
             return self._admit_general(ids)
         t, n, prefix, alloc = self.block_size, len(ids), self.prefix_cache, self.allocator
         with self._lock, alloc.lock:
             if -(-n // t) > alloc.num_available:
                 self._refuse_if_short(ids)
-            hit = prefix.lookup_checked(ids, self.cache_salt) if prefix is not None else []
+            hit = prefix.lookup_checked(ids, self.cache_salt, packed=packed) if prefix is not None else []
             fresh = alloc.allocate(-(-n // t) - len(hit))  # cannot fail: checked above, under the lock
             self.block_table = [*hit, *fresh]
             self.token_ids = ids
@@ -445,7 +453,7 @@ class SequenceCache:
             if prefix is not None:
                 self._chain = hit.chain  # type: ignore[attr-defined]  # the lookup's: every full block but the last token's
                 self._lookahead = None
-                self._register_full_blocks(hashed=len(self._chain))
+                self._register_full_blocks(hashed=len(self._chain), packed=packed)
             return range(len(hit) * t, n)
 
     def _admit_general(self, ids: list[int]) -> range:
@@ -521,9 +529,10 @@ class SequenceCache:
             if self.prefix_cache is not None and self.caught_up:
                 self._register_full_blocks()
 
-    def _register_full_blocks(self, hashed: int = 0) -> None:
+    def _register_full_blocks(self, hashed: int = 0, packed: bytes | None = None) -> None:
         """Offer the newly full blocks with known ids to the prefix index. ``hashed``: how many leading entries of
-        ``_chain`` are known to hash this sequence's ids (beyond the registered ones, which always do)."""
+        ``_chain`` are known to hash this sequence's ids (beyond the registered ones, which always do).
+        ``packed``: this sequence's ``token_ids`` packed as int64 bytes, when the caller has them."""
         t, done = self.block_size, self.num_registered
         full = self.num_tokens // t
         if full <= done:
@@ -544,11 +553,18 @@ class SequenceCache:
         if keep == done:
             self._chain.extend(self._lookahead_hashes(done, known))
         hashed = len(self._chain) * t  # the rest is hashed now, continuing the chain
+        if packed is not None and len(packed) == 8 * len(self.token_ids):
+            packed = packed[8 * start : 8 * stop]  # blocks done..known
+        else:
+            packed = None
         if hashed < stop:
             parent = self._chain[-1] if self._chain else b""
             extra = self.prefix_cache.extra_key(self.cache_salt)  # type: ignore[union-attr]
-            self._chain.extend(iter_block_hashes(self.token_ids[hashed:stop], t, extra, parent))
-        self.allocator.cache_blocks(self.block_table[done:known], self._chain[done:known], ids, t)
+            if packed is not None:
+                self._chain.extend(iter_packed_hashes(packed[8 * (hashed - start) :], t, extra, parent))
+            else:
+                self._chain.extend(iter_block_hashes(self.token_ids[hashed:stop], t, extra, parent))
+        self.allocator.cache_blocks(self.block_table[done:known], self._chain[done:known], ids, t, packed=packed)
         self.num_registered = known
 
     def _lookahead_hashes(self, done: int, known: int) -> list[bytes]:
@@ -696,6 +712,7 @@ class SequenceCache:
             self.num_tokens = 0
             self.window_start = 0
             self._freed = True
+            self._plain = False
             self._lookahead = None
             if self.registry is not None:
                 self.registry.pop(self.seq_id, None)

@@ -11,7 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from memos_ref.errors import ArgumentTypeError, ConfigError, check_type
+from memos_ref.errors import ArgumentTypeError, ConfigError, check_index, check_type
 from memos_ref.paged.allocator import FREED, BlockAllocator, BlockEvent
 from memos_ref.paged.check import check_invariants
 from memos_ref.paged.kvpool import KVPool, PoolBuilder
@@ -20,7 +20,7 @@ from memos_ref.paged.prefix import PrefixCache, PrefixHit, check_token_ids
 from memos_ref.paged.sequence import SequenceCache
 from memos_ref.spec import KVSpec
 
-__all__ = ["PagedKV", "TierHook"]
+__all__ = ["GrowablePool", "PagedKV", "TierHook"]
 
 
 @runtime_checkable
@@ -44,6 +44,21 @@ class TierHook(Protocol):
     ) -> list[int]:
         """Blocks continuing ``device_blocks`` as a cached prefix of ``token_ids``, reloaded from the tiers (each
         returned block holds one reference for the caller)."""
+        ...
+
+
+@runtime_checkable
+class GrowablePool(Protocol):
+    """A pool that can add blocks after it is built (:class:`BlockPool`: a segment per growth)."""
+
+    num_blocks: int
+
+    def grow(self, n: int, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> range:
+        """Add ``n`` blocks with the next ids, all or nothing; returns them."""
+        ...
+
+    def shrink(self, ids: range) -> None:
+        """Undo the last :meth:`grow` (its ``ids``)."""
         ...
 
 
@@ -158,6 +173,38 @@ class PagedKV:
             self.pool.poison(event.block)  # a quantized pool's poison releases the staging slot too
         elif event.kind in self.pool.block_events:
             self.pool.on_block_event(event)
+
+    def grow(
+        self, n_blocks: int, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+    ) -> range:
+        """Add ``n_blocks`` blocks: the pool appends a segment and the allocator appends the new ids (they follow
+        the old ones) to the back of its free list. Every live sequence, cached prefix, refcount and event
+        subscription is kept; the new blocks are free. ``dtype`` / ``device``, when given, must be the pool's.
+
+        All or nothing: a bad ``n_blocks`` (:class:`ArgumentTypeError` / :class:`InvalidArgumentError`), another
+        dtype or device (:class:`DTypeError` / :class:`DeviceError`), or a pool that cannot grow — a
+        quantized pool holds per-block payload, scales and staging bookkeeping sized once (:class:`ConfigError`)
+        — leaves the pool and the allocator exactly as they were. Returns the new block ids."""
+        n_blocks = check_index("n_blocks", n_blocks, lo=1)
+        if not isinstance(self.pool, GrowablePool):
+            raise ConfigError(
+                f"{type(self.pool).__name__} cannot grow: its per-block state is sized once; build the PagedKV with "
+                f"the blocks it needs (a plain BlockPool grows by segments)"
+            )
+        with self.allocator.lock:
+            if self.pool.num_blocks != self.allocator.num_blocks:
+                raise ConfigError(
+                    f"the pool holds {self.pool.num_blocks} blocks but the allocator {self.allocator.num_blocks}: "
+                    f"grow them together with PagedKV.grow"
+                )
+            ids = self.pool.grow(n_blocks, dtype=dtype, device=device)  # raises before any change
+            try:
+                added = self.allocator.grow(n_blocks)
+            except BaseException:
+                self.pool.shrink(ids)
+                raise
+            assert added == ids
+            return ids
 
     def new_sequence(self, cache_salt: str | None = None) -> SequenceCache:
         """An empty sequence over this memory."""
