@@ -44,6 +44,26 @@ def test_the_contracts_have_no_exemptions():
         assert not contract.get("ignore_imports"), f"{contract['id']} exempts {contract['ignore_imports']}"
 
 
+def test_every_module_sits_in_a_layer():
+    """A module the contract does not name is constrained by nothing: every top-level module and subpackage of
+    memos_ref (and the two other packages) must sit in a layer, and the kernels must be forbidden each of them."""
+    import tomllib
+
+    contracts = {
+        c["id"]: c for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    }
+    named = {m.strip() for layer in contracts["layers"]["layers"] for part in re.split(r"[|:]", layer) for m in [part]}
+    present = {"memos_kernels", "memos_edge"}
+    for child in (ROOT / "memos_ref").iterdir():
+        if child.name.startswith("_"):
+            continue
+        if child.suffix == ".py" or (child.is_dir() and (child / "__init__.py").exists()):
+            present.add(f"memos_ref.{child.stem}")
+    assert present - named == set(), f"modules in no layer of the contract: {sorted(present - named)}"
+    forbidden = set(contracts["kernels-standalone"]["forbidden_modules"])
+    assert present - forbidden - {"memos_ref.errors", "memos_kernels", "memos_edge"} == set()
+
+
 def _private_accesses(path: Path, root: Path = ROOT) -> list[str]:
     """``obj._name`` where ``obj`` is not ``self``/``cls`` and ``_name`` is no attribute this module defines itself
     (a class comparing two of its own instances may read ``other._x``), plus ``from memos_* import _name``."""
