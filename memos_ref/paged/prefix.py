@@ -199,10 +199,23 @@ class PrefixCache:
         """The fingerprint and salt bytes mixed into every hash of this cache."""
         return _extra_key(self.fingerprint, cache_salt)
 
-    def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None, parent: bytes = b"") -> list[bytes]:
-        """Chained hashes of the full blocks of ``token_ids``, continuing from ``parent``."""
+    def hashes(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        parent: bytes = b"",
+        *,
+        packed: bytes | None = None,
+        blocks: int | None = None,
+    ) -> list[bytes]:
+        """Chained hashes of the full blocks of ``token_ids``, continuing from ``parent``. ``packed``: the ids
+        already packed as int64 bytes (hashed as they are; ``blocks``: only the first so many full blocks)."""
         check_type("cache_salt", cache_salt, (str, type(None)))
         check_type("parent", parent, bytes)
+        if packed is not None:
+            check_type("packed", packed, bytes)
+            extra = _extra_key(self.fingerprint, cache_salt)
+            return list(iter_packed_hashes(packed, self.block_size, extra, parent, blocks))
         return block_hashes(
             token_ids, self.block_size, fingerprint=self.fingerprint, cache_salt=cache_salt, parent=parent
         )
@@ -241,8 +254,9 @@ class PrefixCache:
         limit = max(0, (len(token_ids) - 1) // t)
         if packed is None or len(packed) != 8 * len(token_ids):
             packed = array("q", token_ids[: limit * t]).tobytes()
+        # every full block, once (vLLM: at arrival)
+        chain = self.hashes(token_ids, cache_salt, packed=packed, blocks=limit)
         extra = _extra_key(self.fingerprint, cache_salt)
-        chain = list(iter_packed_hashes(packed, t, extra, b"", limit))  # every full block, once (vLLM: at arrival)
         blocks = self.allocator.match_prefix(chain, token_ids, t, packed=packed)
         found = PrefixHit(blocks, chain, extra, token_ids)
         if count:
