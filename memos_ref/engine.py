@@ -142,8 +142,6 @@ class Engine:
             )
         check_type("kv", kv, PagedKV)
         check_index("max_batch", max_batch, lo=1)
-        if len(kv.pool.segments) != 1:
-            raise ConfigError("the engine needs a single-segment pool")
         self.model, self.kv, self.max_batch = model, kv, max_batch
         self.vocab_size: int = model.config.vocab_size
         self.waiting: deque[Request] = deque()

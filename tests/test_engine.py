@@ -159,3 +159,27 @@ def test_request_ids_are_checked_in_one_pass_and_still_named_when_bad(shipped_pa
     with pytest.raises(InvalidArgumentError, match=r"stop_ids\[0\]"):
         engine.submit(Request([1, 2], 2, stop_ids=(ours.config.vocab_size,)))
     assert not engine.waiting
+
+
+@pytest.mark.parametrize("segments", [1, 3])
+def test_an_engine_whose_pool_grows_mid_run_gives_the_solo_outputs(shipped_pair, segments):
+    """issue 15: a pool grows by segments (PagedKV.grow); the engine refused a multi-segment pool when built but
+    not after a grow. It needs no refusal: its rows are read through their block tables whatever the segment,
+    so the outputs stay equal to generating each request alone, with the new blocks in use."""
+    ours, hf = shipped_pair
+    kv = PagedKV(ours.kv_spec(block_size=16), 8, segments=segments)  # too small: requests wait for the growth
+    engine = Engine(ours, kv, max_batch=4)
+    prompts = [tok.encode(SYSTEM + task, add_bos=True) for task in TASKS[:3]]
+    requests = [engine.submit(Request(p, 16)) for p in prompts]
+    engine.step()
+    engine.step()
+    grown = kv.grow(24)
+    assert len(kv.pool.segments) == segments + 1 and list(grown) == list(range(8, 32))
+    used_new = False
+    while engine.waiting or engine.running:
+        engine.step()
+        used_new |= any(b >= 8 for _, seq in engine.running for b in seq.block_table)
+    assert used_new
+    for request, prompt in zip(requests, prompts):
+        assert not request.failed and request.output == _solo(hf, prompt, 16)
+    kv.check()

@@ -89,6 +89,9 @@ def test_compaction_switches_atomically_then_releases(manager):
     built, released = session.events[0][1], session.events[2][1]
     assert built["blocks_active"] > built["blocks_before"]  # both sets exist only while building
     assert released["blocks_active"] < built["blocks_active"] and released["blocks"] > 0
+    # "returned" counts what the pool got back; the shared system-prompt block stays with the new session
+    assert released["returned"] == built["blocks_active"] - released["blocks_active"] > 0
+    assert released["returned"] < released["blocks"]
     assert len(session.token_ids) < long_tokens
     assert [s.kind for s in session.segment_list] == [SegmentKind.SYSTEM, SegmentKind.SUMMARY]
     manager.kv.check()

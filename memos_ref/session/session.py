@@ -299,12 +299,14 @@ class CacheSession:
             self.messages = fresh.messages
             self.events.append(("switched", {"tokens": len(self.token_ids), "time": time.perf_counter()}))
             released = sum(seq.num_blocks for seq in old.sequences)
+            active_before_free = self.manager.kv.allocator.num_active
             old.free()
             self.events.append(
                 (
                     "released",
                     {
-                        "blocks": released,
+                        "blocks": released,  # the old tables' blocks, shared ones (the system prompt) included
+                        "returned": active_before_free - self.manager.kv.allocator.num_active,  # left active state
                         "blocks_active": self.manager.kv.allocator.num_active,
                         "time": time.perf_counter(),
                     },
