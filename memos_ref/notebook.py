@@ -18,11 +18,16 @@ into the table that ends a notebook (markdown in JupyterLab, aligned text in a t
     claims = ClaimsTable()
     claims.add("seed 000", "concat re-copies the cache every step", f"{copied:,} B", verdict(copied == formula))
     claims                   # renders as a markdown table
+
+When ``MEMOS_REF_CLAIMS_OUT`` names a file, every row added in the process is also written there as JSON
+(rewritten atomically after each row): ``python -m memos_ref.bench.report record-notebooks`` runs every notebook
+that way and the README's claims ledger is generated from what they measured.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import random
@@ -33,6 +38,8 @@ import torch
 from memos_ref.errors import ConfigError, InvalidArgumentError, check_index, check_type
 
 ENV_VAR = "MEMOS_REF_NOTEBOOK_THREADS"
+CLAIMS_OUT_ENV = "MEMOS_REF_CLAIMS_OUT"
+"""A file to write every claim row of this process to, as JSON (set by ``report record-notebooks``)."""
 DEFAULT_THREADS = 1
 # The shipped model's matrices are tiny: past two threads the synchronisation costs more than it saves.
 MAX_THREADS = 2
@@ -204,6 +211,21 @@ class ClaimRow:
         return f"{self.source}: \u201c{self.claim}\u201d \u2014 measured here: {self.measured} \u2192 {self.verdict}."
 
 
+_exported: list[dict[str, str]] = []  # every row added in this process, when CLAIMS_OUT_ENV is set
+
+
+def _export(row: ClaimRow) -> None:
+    """Append ``row`` to the process's rows and rewrite ``$MEMOS_REF_CLAIMS_OUT`` (tmp file + rename)."""
+    target = os.environ.get(CLAIMS_OUT_ENV)
+    if not target:
+        return
+    _exported.append({"source": row.source, "claim": row.claim, "measured": row.measured, "verdict": row.verdict})
+    tmp = f"{target}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(_exported, fh, ensure_ascii=False, indent=1)
+    os.replace(tmp, target)
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -227,6 +249,7 @@ class ClaimsTable:
             raise InvalidArgumentError(f"verdict must be one of {VERDICTS}, got {verdict!r}: use verdict(...)")
         row = ClaimRow(source, claim, measured, verdict)
         self.rows.append(row)
+        _export(row)
         return row
 
     def verdicts(self) -> dict[str, str]:

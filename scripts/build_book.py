@@ -23,6 +23,9 @@ import nbformat
 from nbclient import NotebookClient
 from nbconvert import HTMLExporter
 
+from memos_ref.bench.report import notebook_paths
+from memos_ref.errors import ConfigError
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 
@@ -71,13 +74,10 @@ def execute(path: Path, timeout: int = 300) -> nbformat.NotebookNode:
 
 def build(out: Path, only: list[str] | None = None, *, progress: bool = True) -> list[Path]:
     """Execute and render the notebooks (``only``: their two-digit numbers) and write the landing page."""
-    paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
-    if only:
-        wanted = {n.zfill(2) for n in only}
-        unknown = wanted - {p.name[:2] for p in paths}
-        if unknown:
-            raise SystemExit(f"--only: no notebook numbered {sorted(unknown)}; have {[p.name[:2] for p in paths]}")
-        paths = [p for p in paths if p.name[:2] in wanted]
+    try:
+        paths = notebook_paths(NOTEBOOKS, only)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
     out.mkdir(parents=True, exist_ok=True)
     exporter = HTMLExporter(template_name="lab", embed_images=True)
     pages: list[Path] = []

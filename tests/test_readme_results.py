@@ -32,7 +32,10 @@ def test_every_block_is_used_and_every_result_is_read() -> None:
     text = (ROOT / "README.md").read_text()
     used = set(report.blocks_in(text))
     assert used == set(report.BLOCKS), f"README blocks {sorted(used)} vs renderers {sorted(report.BLOCKS)}"
-    assert {stem for stem, _ in report.BLOCKS.values()} == set(report.load_results(ROOT))
+    stems = set()
+    for stem, _ in report.BLOCKS.values():
+        stems |= {stem} if isinstance(stem, str) else set(stem)
+    assert stems == set(report.load_results(ROOT))
 
 
 def test_a_changed_result_makes_the_check_fail(repo: Path) -> None:
@@ -94,8 +97,77 @@ def test_adopt_stores_an_earlier_run_with_its_date_and_no_load(repo: Path, tmp_p
     stored = json.loads(out.read_text())
     assert stored["recorded"]["commit"] == "abc" and stored["recorded"]["load_1m_before"] is None
     assert "load not recorded" in report.provenance(stored, "waste")
-    assert report.check(repo) == ["waste"]  # the provenance line changed: the README must be rendered again
+    # the provenance lines changed (the waste table's, and the claims ledger's that reads it): render again
+    assert report.check(repo) == ["waste", "claims"]
     del data["summary"]
     earlier.write_text(json.dumps(data))
     with pytest.raises(CorruptCacheError, match="missing keys"):
         report.adopt(earlier, stem="waste", command="x", commit="abc", root=repo)
+
+
+def test_claims_tables_export_every_row_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from memos_ref import notebook
+
+    target = tmp_path / "claims.json"
+    monkeypatch.setattr(notebook, "_exported", [])
+    monkeypatch.delenv(notebook.CLAIMS_OUT_ENV, raising=False)
+    notebook.ClaimsTable().add("s", "not exported", "m", notebook.verdict(True))
+    assert not target.exists()
+    monkeypatch.setenv(notebook.CLAIMS_OUT_ENV, str(target))
+    first, second = notebook.ClaimsTable(), notebook.ClaimsTable()
+    first.add("seed 000", "a | b", "3 of 4", notebook.verdict(False))
+    second.add("seed 001", "c", "5", notebook.verdict(False, opposite=True))
+    rows = report._read_claims(target)
+    assert rows == [
+        {"source": "seed 000", "claim": "a | b", "measured": "3 of 4", "verdict": "not reproduced"},
+        {"source": "seed 001", "claim": "c", "measured": "5", "verdict": "opposite"},
+    ]
+    assert list(tmp_path.iterdir()) == [target]  # the temporary file was renamed, none left behind
+
+
+def test_notebook_claims_files_are_bounded_and_checked(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    assert report._read_claims(path) == []  # a notebook without a claims table wrote nothing
+    path.write_text(" " * (report._MAX_CLAIMS_BYTES + 1))
+    with pytest.raises(CorruptCacheError, match="at most"):
+        report._read_claims(path)
+    for bad in ([{"source": "s", "claim": "c", "measured": 3, "verdict": "reproduced"}], {"rows": []}, [["s"]]):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(CorruptCacheError, match="string rows"):
+            report._read_claims(path)
+
+
+_TINY_NOTEBOOK = """
+from memos_ref.notebook import ClaimsTable, verdict
+claims = ClaimsTable()
+measured = sum(range(5))
+claims.add("test", "the sum of 0..4 is 10", f"{measured}", verdict(measured == 10))
+claims.add("test", "it is odd", f"{measured % 2}", verdict(measured % 2 == 1))
+"""
+
+
+def test_record_notebooks_stores_what_each_notebook_measured(repo: Path) -> None:
+    import nbformat
+
+    folder = repo / "notebooks"
+    folder.mkdir()
+    for name in ("00_tiny", "01_other"):
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(_TINY_NOTEBOOK)])
+        nbformat.write(nb, folder / f"{name}.ipynb")
+    out = report.record_notebooks(root=repo, progress=False)
+    data = json.loads(out.read_text())
+    assert [(r["notebook"], r["verdict"]) for r in data["results"]] == [
+        ("00_tiny", "reproduced"),
+        ("00_tiny", "not reproduced"),
+        ("01_other", "reproduced"),
+        ("01_other", "not reproduced"),
+    ]
+    assert data["summary"]["verdicts"] == {"reproduced": 2, "not reproduced": 2}
+    text = report._notebook_claims(data)
+    assert "[00](notebooks/00_tiny.ipynb)" in text and "4 claims checked by 2 notebooks" in text
+    # --only reruns one notebook and keeps the other's rows
+    (folder / "01_other.ipynb").unlink()
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")]), folder / "01_other.ipynb")
+    data = json.loads(report.record_notebooks(["01"], root=repo, progress=False).read_text())
+    assert [r["notebook"] for r in data["results"]] == ["00_tiny", "00_tiny"]
+    assert set(data["summary"]["seconds"]) == {"00_tiny", "01_other"}
