@@ -107,7 +107,7 @@ bench: setup redis
 	done
 
 # Line coverage of the core packages by their tests (the architecture issue: it must not drop in a refactor).
-COVERED := memos_ref/paged/*,memos_ref/session*,memos_ref/tiering/*,memos_ref/quant/*
+COVERED := memos_ref/paged/*,memos_ref/session/*,memos_ref/tiering/*,memos_ref/quant/*
 coverage: setup redis
 	$(BIN)/python -m coverage run --include='$(COVERED)' -m pytest -q \
 		$(wildcard tests/test_paged*.py tests/test_block*.py tests/test_session*.py tests/test_tiering*.py \

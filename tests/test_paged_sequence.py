@@ -128,7 +128,7 @@ def test_a_hash_collision_cannot_return_wrong_blocks(monkeypatch):
     kv, gen = PagedKV(SPEC, 16), torch.Generator().manual_seed(5)
     _append(kv.new_sequence(), 8, gen, list(range(8)))
     # force every prompt to hash like the cached one: the stored token ids must still be compared
-    monkeypatch.setattr(kv.prefix_cache, "hashes", lambda ids, salt=None: list(kv.prefix_cache._block_of)[:1])
+    monkeypatch.setattr(kv.prefix_cache, "hashes", lambda ids, salt=None, **_: list(kv.prefix_cache._block_of)[:1])
     assert kv.start_from_prefix([9] * 9).num_tokens == 0
 
 
