@@ -127,7 +127,8 @@ class CorruptCacheError(KVCacheError):
 
 
 class BackendUnavailableError(KVCacheError):
-    """A storage backend (for example Redis) cannot be reached."""
+    """A backend cannot serve the call: a storage backend (for example Redis) cannot be reached, or a compute
+    backend (a Triton kernel) failed to compile or launch; the message names it and the fallback."""
 
 
 class ModelUnavailableError(KVCacheError, LookupError):
