@@ -214,3 +214,47 @@ def test_loaded_kv_is_not_offered_to_other_sessions(manager, tmp_path):
     fresh = manager.new_session(system=("agent", "v1"))
     assert manager.kv.prefix_cache.hit_tokens == hits_before  # nothing of the file was reused
     assert not set(fresh.cache.sequences[0].block_table) & set(restored.cache.sequences[0].block_table)
+
+
+def _state(manager):
+    return manager.kv.allocator.num_active, manager.kv.allocator.num_cached, sorted(manager.memories)
+
+
+def test_contradictory_session_and_memory_arguments_are_refused_and_change_nothing(manager):
+    memory = manager.build_memory("notes", "The parser lives in src/parse.py.\n")
+    before = _state(manager)
+    refusals = [
+        (lambda: manager.new_session(system=("agent", "v1"), memories=[memory]), "takes its prefix from them"),
+        (lambda: manager.new_session(system=("agent", "v9")), "is not registered"),
+        (lambda: manager.build_memory("more", "x", after=memory, system=("agent", "v1")), "takes its system prompt"),
+        (lambda: manager.build_memory("other", "x", system=("nobody", "v1")), "is not registered"),
+        (lambda: manager.build_memory("notes", "again"), "already exists"),
+    ]
+    for call, message in refusals:
+        with pytest.raises(ConfigError, match=message):
+            call()
+        assert _state(manager) == before
+    manager.kv.check()
+
+
+def test_a_memory_whose_build_fails_closes_its_session_and_registers_nothing(manager, monkeypatch):
+    from memos_ref.session.session import CacheSession
+
+    before = _state(manager)
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("tokenizer exploded")
+
+    monkeypatch.setattr(CacheSession, "append", broken)
+    with pytest.raises(RuntimeError, match="exploded"):
+        manager.build_memory("docs", "text", system=("agent", "v1"))
+    assert "docs" not in manager.memories
+    active, cached, names = _state(manager)
+    assert (active, names) == (before[0], before[2])  # the system prompt's blocks went back (cached for reuse)
+    manager.kv.check()
+
+
+def test_manager_stats_are_its_pools(manager):
+    session = manager.new_session(system=("agent", "v1"))
+    session.append(SegmentKind.USER, "u0", "hello\n")
+    assert manager.stats() == manager.kv.stats() and manager.stats()["blocks_active"] > 0
