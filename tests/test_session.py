@@ -249,7 +249,7 @@ def test_a_memory_whose_build_fails_closes_its_session_and_registers_nothing(man
     with pytest.raises(RuntimeError, match="exploded"):
         manager.build_memory("docs", "text", system=("agent", "v1"))
     assert "docs" not in manager.memories
-    active, cached, names = _state(manager)
+    active, _cached, names = _state(manager)
     assert (active, names) == (before[0], before[2])  # the system prompt's blocks went back (cached for reuse)
     manager.kv.check()
 
