@@ -258,3 +258,31 @@ def test_manager_stats_are_its_pools(manager):
     session = manager.new_session(system=("agent", "v1"))
     session.append(SegmentKind.USER, "u0", "hello\n")
     assert manager.stats() == manager.kv.stats() and manager.stats()["blocks_active"] > 0
+
+
+def test_prefetch_brings_up_the_predicted_next_session_only_when_it_is_suspended(shipped_pair):
+    """After each call the manager learns which session follows which (seed 001 §3.1's Markov prefetch) and asks
+    the tiers for the predicted next session's blocks — only when that session is suspended (a resident one has
+    its blocks already)."""
+    from memos_ref.tiering.backends import HostMemoryBackend
+    from memos_ref.tiering.prefetch import MarkovPredictor
+    from memos_ref.tiering.store import Tier, TierStore
+
+    ours, _ = shipped_pair
+    mgr = SessionManager(ours, num_blocks=256, fingerprint="prefetch-test000")
+    mgr.register_system_prompt("agent", "v1", SYSTEM)
+    tm = mgr.enable_tiering(
+        TierStore([Tier(HostMemoryBackend(1 << 24))], spec=mgr.spec, fingerprint="prefetch-test000"),
+        prefetch=MarkovPredictor(window=4, threshold=0.5),
+        prefetch_max_blocks=3,
+    )
+    calls = []
+    tm.prefetch = lambda ids, salt, n: calls.append((list(ids), n))
+    a, b = mgr.new_session(system=("agent", "v1")), mgr.new_session(system=("agent", "v1"))
+    for turn in range(3):  # a, b, a, b, ...: after a comes b
+        a.append(SegmentKind.USER, f"a{turn}", "Check the logs.\n")
+        b.append(SegmentKind.USER, f"b{turn}", "Write the tests.\n")
+    assert calls == []  # b was resident every time
+    b.suspend()
+    a.append(SegmentKind.USER, "a3", "And the docs.\n")
+    assert calls == [(b.token_ids, 3)]
