@@ -286,3 +286,27 @@ def test_prefetch_brings_up_the_predicted_next_session_only_when_it_is_suspended
     b.suspend()
     a.append(SegmentKind.USER, "a3", "And the docs.\n")
     assert calls == [(b.token_ids, 3)]
+
+
+def test_blocks_shared_counts_what_forks_hold_too(manager):
+    session = manager.new_session(system=("agent", "v1"))
+    session.append(SegmentKind.USER, "u", "Summarise the repository layout, file by file.\n" * 3)
+    alone = session.blocks_shared()
+    (child,) = session.fork(1)
+    shared = session.blocks_shared()
+    assert shared == len(set(session.cache.sequences[0].block_table)) > alone  # a fork holds every block
+    assert child.blocks_shared() == shared
+    child.close()
+    assert session.blocks_shared() == alone
+    session.suspend()
+    assert session.blocks_shared() == 0  # a suspended session holds no device blocks
+
+
+def test_loading_a_missing_session_file_is_a_corrupt_cache_error(manager, tmp_path):
+    session = manager.new_session(system=("agent", "v1"))
+    path = session.save(tmp_path / "s")
+    path.with_suffix(".safetensors").unlink()
+    before = manager.kv.allocator.num_active
+    with pytest.raises(CorruptCacheError, match="cannot open"):
+        manager.load(path)
+    assert manager.kv.allocator.num_active == before
