@@ -12,8 +12,12 @@ thread unless told otherwise. The count is decided once per process, here, inste
 this process may run on (``os.sched_getaffinity``) and at :data:`MAX_THREADS`.
 
 The notebooks' "claim vs measured" verdicts are chosen by code, never typed: :func:`verdict` picks
-"reproduced", "not reproduced" or "opposite" from what was measured, and :class:`ClaimsTable` collects the rows
-into the table that ends a notebook (markdown in JupyterLab, aligned text in a terminal)::
+"reproduced", "not reproduced" or "opposite" from what was measured; a claim about *time* is decided by
+:func:`spread_verdict` from :func:`interleaved_times` (every contender timed once per round, the order rotating,
+so drift of a shared machine hits all alike), which answers "inconclusive" when the claimed boundary falls
+inside the spread of the paired ratios; "not measured" marks a claim this machine cannot test (no GPU).
+:class:`ClaimsTable` collects the rows into the table that ends a notebook (markdown in JupyterLab, aligned
+text in a terminal)::
 
     claims = ClaimsTable()
     claims.add("seed 000", "concat re-copies the cache every step", f"{copied:,} B", verdict(copied == formula))
@@ -28,9 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import random
+import statistics
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -167,7 +175,13 @@ def setup(seed: int = 0, threads: int | None = None) -> NotebookEnv:
 REPRODUCED = "reproduced"
 NOT_REPRODUCED = "not reproduced"
 OPPOSITE = "opposite"
-VERDICTS = (REPRODUCED, NOT_REPRODUCED, OPPOSITE)
+INCONCLUSIVE = "inconclusive"
+"""The measurement cannot decide: the claimed boundary lies inside the spread of repeated measurements."""
+NOT_MEASURED = "not measured"
+"""This machine cannot test the claim (e.g. a GPU timing on a CPU-only machine); nothing is concluded."""
+VERDICTS = (REPRODUCED, NOT_REPRODUCED, OPPOSITE, INCONCLUSIVE, NOT_MEASURED)
+MIN_ROUNDS = 3
+"""Fewer interleaved rounds than this have no spread worth the name: their verdict is inconclusive."""
 
 
 def verdict(holds: bool, *, opposite: bool = False) -> str:
@@ -195,6 +209,142 @@ def ratio_verdict(measured: float, claimed: float, *, rel_tol: float) -> str:
             f"rel_tol={rel_tol}, measured={measured}"
         )
     return verdict(measured >= claimed * (1 - rel_tol), opposite=measured < 1 / (1 + rel_tol))
+
+
+# ------------------------------------------------------------------------------------ timing claims, decided
+def interleaved_times(
+    fns: Mapping[str, Callable[[], object]], *, rounds: int = 5, warmup: int = 1, max_seconds: float = 30.0
+) -> dict[str, list[float]]:
+    """Seconds per call of every function in ``fns``, one sample per round: each round calls every function
+    once, in an order that rotates by one each round, so a machine that slows down (another job starts) slows
+    all contenders alike and the *paired* ratios of one round stay comparable.
+
+    ``warmup`` untimed rounds run first. The loop is bounded in count (``rounds``) and in time: once
+    ``max_seconds`` have passed, no new round starts (at least one timed round always runs). Feed the result to
+    :func:`paired_ratios`.
+    """
+    check_type("fns", fns, Mapping)
+    if not fns or not all(callable(f) for f in fns.values()):
+        raise InvalidArgumentError(f"expected a non-empty mapping of name -> callable, got {list(fns)}")
+    rounds = check_index("rounds", rounds, lo=1, hi=1000)
+    warmup = check_index("warmup", warmup, lo=0, hi=100)
+    check_type("max_seconds", max_seconds, (int, float))
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    start = time.perf_counter()
+    for r in range(rounds):
+        if r and time.perf_counter() - start > max_seconds:
+            break
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Paired ratios ``numerator / denominator``, one per interleaved round, and their min–max spread."""
+
+    numerator: str
+    denominator: str
+    ratios: tuple[float, ...]
+
+    @property
+    def lo(self) -> float:
+        return min(self.ratios)
+
+    @property
+    def hi(self) -> float:
+        return max(self.ratios)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ratios)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.numerator}/{self.denominator} {self.median:.2f}x "
+            f"[{self.lo:.2f}-{self.hi:.2f}] over {len(self.ratios)} interleaved rounds"
+        )
+
+
+def paired_ratios(times: Mapping[str, list[float]], numerator: str, denominator: str) -> Spread:
+    """The per-round ratios ``times[numerator][i] / times[denominator][i]`` (from :func:`interleaved_times`)."""
+    for name in (numerator, denominator):
+        if name not in times:
+            raise InvalidArgumentError(f"no timings named {name!r}; have {sorted(times)}")
+    a, b = times[numerator], times[denominator]
+    if len(a) != len(b) or not a:
+        raise InvalidArgumentError(f"expected paired samples, got {len(a)} and {len(b)}")
+    if not all(x > 0 for x in (*a, *b)):
+        raise InvalidArgumentError("expected positive times")
+    return Spread(numerator, denominator, tuple(x / y for x, y in zip(a, b, strict=True)))
+
+
+def spread_verdict(
+    spread: Spread, *, at_least: float, at_most: float = math.inf, opposite_below: float | None = 1.0
+) -> str:
+    """The verdict on a claimed ratio band ``[at_least, at_most]`` from the spread of paired ratios:
+
+    - reproduced: the whole spread ``[lo, hi]`` lies inside the band;
+    - opposite: the whole spread lies below ``opposite_below`` (the effect reversed; None: never);
+    - not reproduced: the whole spread lies outside the band;
+    - inconclusive: a boundary of the band falls inside the spread (the difference is within the noise), or
+      fewer than :data:`MIN_ROUNDS` rounds were timed.
+    """
+    check_type("spread", spread, Spread)
+    if not 0 < at_least <= at_most:
+        raise InvalidArgumentError(f"expected 0 < at_least <= at_most, got {at_least}, {at_most}")
+    if len(spread.ratios) < MIN_ROUNDS:
+        return INCONCLUSIVE
+    lo, hi = spread.lo, spread.hi
+    if at_least <= lo and hi <= at_most:
+        return REPRODUCED
+    if opposite_below is not None and hi < opposite_below:
+        return OPPOSITE
+    if hi < at_least or lo > at_most:
+        return NOT_REPRODUCED
+    return INCONCLUSIVE
+
+
+def combine_verdicts(*verdicts: str) -> str:
+    """One verdict for a claim tested several times: opposite if any is, then not reproduced, then inconclusive,
+    then not measured; reproduced only when every part is."""
+    if not verdicts or any(v not in VERDICTS for v in verdicts):
+        raise InvalidArgumentError(f"expected verdicts from {VERDICTS}, got {verdicts}")
+    for v in (OPPOSITE, NOT_REPRODUCED, INCONCLUSIVE, NOT_MEASURED):
+        if v in verdicts:
+            return v
+    return REPRODUCED
+
+
+# ------------------------------------------------------------------------------------------------- exercises
+class WrongAnswer(AssertionError):
+    """An exercise's checker found a wrong answer; the message says what was expected and how to get there."""
+
+
+def check_answer(name: str, got: object, expected: object, *, hint: str, rel_tol: float = 0.0) -> str:
+    """Check an exercise's answer: equal (numbers: within ``rel_tol``, relative) or raise :class:`WrongAnswer`
+    naming the exercise, what was given, and ``hint``. Returns a one-line "correct" message to print.
+
+    ``got`` may be ``...`` (the exercise not yet attempted): that raises too, asking for an answer.
+    """
+    check_type("name", name, str)
+    check_type("hint", hint, str)
+    if got is Ellipsis:
+        raise WrongAnswer(f"{name}: not answered yet (replace the `...`). Hint: {hint}")
+    numbers = (int, float)
+    if isinstance(got, numbers) and isinstance(expected, numbers) and not isinstance(got, bool):
+        ok = math.isclose(got, expected, rel_tol=rel_tol, abs_tol=0.0) if rel_tol else got == expected
+    else:
+        ok = got == expected
+    if not ok:
+        raise WrongAnswer(f"{name}: got {got!r}, which is not right. Hint: {hint}")
+    return f"{name}: correct ({got!r})"
 
 
 @dataclass(frozen=True)

@@ -165,3 +165,92 @@ def test_claims_table_refuses_a_typed_verdict_and_stays_unchanged():
     with pytest.raises(ArgumentTypeError):
         table.add("s", "c3", 1.5, notebook.REPRODUCED)
     assert len(table) == 1
+
+
+# ------------------------------------------------------------------ timing claims: interleaved, decided outside noise
+def _spread(*ratios: float) -> notebook.Spread:
+    return notebook.Spread("a", "b", tuple(ratios))
+
+
+def test_spread_verdict_decides_only_outside_the_spread():
+    band = {"at_least": 1.6, "at_most": 2.5}
+    assert notebook.spread_verdict(_spread(1.7, 1.9, 2.4), **band) == notebook.REPRODUCED
+    assert notebook.spread_verdict(_spread(1.1, 1.3, 1.5), **band) == notebook.NOT_REPRODUCED
+    assert notebook.spread_verdict(_spread(0.5, 0.8, 0.9), **band) == notebook.OPPOSITE
+    # 02's old run: 0.99x and 1.84x — the band's edge is inside the spread, so nothing is decided
+    assert notebook.spread_verdict(_spread(0.99, 1.84, 1.2), **band) == notebook.INCONCLUSIVE
+    assert notebook.spread_verdict(_spread(1.55, 1.9, 2.0), **band) == notebook.INCONCLUSIVE
+    assert notebook.spread_verdict(_spread(1.9, 2.0), **band) == notebook.INCONCLUSIVE  # too few rounds
+    assert notebook.spread_verdict(_spread(0.5, 0.6, 0.7), at_least=1.6, opposite_below=None) == notebook.NOT_REPRODUCED
+
+
+@given(st.lists(st.floats(0.01, 100), min_size=3, max_size=9), st.floats(0.1, 10), st.floats(1, 3))
+def test_spread_verdict_is_never_decided_when_a_boundary_is_inside(ratios, at_least, width):
+    spread = _spread(*ratios)
+    got = notebook.spread_verdict(spread, at_least=at_least, at_most=at_least * width)
+    inside = spread.lo < at_least <= spread.hi or spread.lo <= at_least * width < spread.hi
+    if inside:
+        assert got in (notebook.INCONCLUSIVE, notebook.OPPOSITE) and (got != notebook.OPPOSITE or spread.hi < 1)
+    else:
+        assert got != notebook.INCONCLUSIVE
+
+
+def test_interleaved_times_rotates_the_order_and_pairs_the_rounds():
+    calls: list[str] = []
+    fns = {name: (lambda n=name: calls.append(n)) for name in ("x", "y", "z")}
+    times = notebook.interleaved_times(fns, rounds=4, warmup=1)
+    assert calls[:3] == ["x", "y", "z"]  # the warm-up round
+    assert calls[3:] == ["x", "y", "z", "y", "z", "x", "z", "x", "y", "x", "y", "z"]
+    assert {k: len(v) for k, v in times.items()} == {"x": 4, "y": 4, "z": 4}
+    spread = notebook.paired_ratios({"a": [2.0, 4.0, 3.0], "b": [1.0, 1.0, 2.0]}, "a", "b")
+    assert spread.ratios == (2.0, 4.0, 1.5) and (spread.lo, spread.median, spread.hi) == (1.5, 2.0, 4.0)
+
+
+def test_interleaved_times_stops_at_its_time_budget():
+    calls: list[int] = []
+    times = notebook.interleaved_times({"f": lambda: calls.append(1)}, rounds=50, warmup=0, max_seconds=0.0)
+    assert len(times["f"]) == 1 and len(calls) == 1  # one round always runs; no new round past the budget
+
+
+def test_timing_helpers_refuse_bad_input():
+    with pytest.raises(InvalidArgumentError, match="callable"):
+        notebook.interleaved_times({"f": 3})
+    with pytest.raises(InvalidArgumentError, match="paired"):
+        notebook.paired_ratios({"a": [1.0], "b": [1.0, 2.0]}, "a", "b")
+    with pytest.raises(InvalidArgumentError, match="no timings named"):
+        notebook.paired_ratios({"a": [1.0]}, "a", "b")
+    with pytest.raises(InvalidArgumentError, match="at_least"):
+        notebook.spread_verdict(_spread(1, 2, 3), at_least=2, at_most=1)
+
+
+def test_combine_verdicts_needs_every_part():
+    r, n, o, i, m = (
+        notebook.REPRODUCED,
+        notebook.NOT_REPRODUCED,
+        notebook.OPPOSITE,
+        notebook.INCONCLUSIVE,
+        notebook.NOT_MEASURED,
+    )
+    assert notebook.combine_verdicts(r, r) == r
+    assert notebook.combine_verdicts(r, i) == i and notebook.combine_verdicts(i, n) == n
+    assert notebook.combine_verdicts(n, o) == o and notebook.combine_verdicts(r, m) == m
+    with pytest.raises(InvalidArgumentError):
+        notebook.combine_verdicts("fine")
+
+
+def test_claims_table_accepts_inconclusive_and_not_measured():
+    table = notebook.ClaimsTable()
+    table.add("s", "timing", "1.0x [0.9-1.1]", notebook.INCONCLUSIVE)
+    table.add("s", "gpu", "no CUDA device", notebook.NOT_MEASURED)
+    assert table.verdicts() == {"timing": "inconclusive", "gpu": "not measured"}
+
+
+def test_check_answer_explains_a_wrong_answer():
+    assert notebook.check_answer("ex 1", 8, 8, hint="count the growths") == "ex 1: correct (8)"
+    assert notebook.check_answer("ex 2", 0.7500001, 0.75, hint="h", rel_tol=1e-6).startswith("ex 2: correct")
+    with pytest.raises(notebook.WrongAnswer, match=r"ex 1: got 7.*Hint: count the growths"):
+        notebook.check_answer("ex 1", 7, 8, hint="count the growths")
+    with pytest.raises(notebook.WrongAnswer, match="not answered yet"):
+        notebook.check_answer("ex 1", ..., 8, hint="h")
+    with pytest.raises(AssertionError):  # a failing checker fails its cell
+        notebook.check_answer("ex 3", [1, 2], [2, 1], hint="order matters")
