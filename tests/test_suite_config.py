@@ -1,0 +1,169 @@
+"""The suite's own safety net (issue 30 item 3, issue 29 item 5): a per-test timeout is configured, a planted hang
+fails its one test with a traceback within that timeout, Hypothesis has a fast and a deeper CI profile, and the
+conftest marks tests by what they need so `make check` can leave out the real model and the servers."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from types import SimpleNamespace
+
+import conftest
+import pytest
+from hypothesis import settings
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+INI = PYPROJECT["tool"]["pytest"]["ini_options"]
+PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist"]
+
+
+def test_a_per_test_timeout_is_configured_for_every_run(pytestconfig):
+    """pytest-timeout is loaded and pyproject gives every test a finite timeout with the signal method (the hung
+    test fails with a traceback and the run goes on, instead of killing the worker)."""
+    assert pytestconfig.pluginmanager.hasplugin("timeout"), "pytest-timeout is not installed: pip install -e '.[dev]'"
+    assert INI["timeout"] == conftest.DEFAULT_TIMEOUT_S == 300
+    assert INI["timeout_method"] == "signal"
+    assert float(pytestconfig.getini("timeout")) == 300
+    dev = PYPROJECT["project"]["optional-dependencies"]["dev"]
+    assert any(d.startswith("pytest-timeout") for d in dev) and any(d.startswith("pytest-xdist") for d in dev)
+
+
+def test_every_longer_timeout_names_a_real_test_and_is_longer():
+    """A typo in LONG_TESTS would silently leave a slow test on the default timeout."""
+    for key, seconds in conftest.LONG_TESTS.items():
+        filename, name = key.split("::")
+        tree = ast.parse((ROOT / "tests" / filename).read_text())
+        names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert name in names, f"{key}: no such test"
+        assert conftest.DEFAULT_TIMEOUT_S < seconds <= 1800
+    for filename in conftest.SLOW_FILES:
+        assert (ROOT / "tests" / filename).is_file(), filename
+
+
+PLANTED_FILE = "test_hang.py"
+PLANTED = """
+import threading
+import time
+
+
+def test_a_busy_loop_hangs():
+    while True:
+        pass
+
+
+def test_a_lock_never_released_hangs():
+    lock = threading.Lock()
+    lock.acquire()
+    lock.acquire()
+
+
+def test_after_the_hangs_the_run_goes_on():
+    time.sleep(0)
+"""
+
+
+def test_a_planted_hang_fails_its_test_with_a_timeout_traceback(tmp_path):
+    """Two planted hangs (a pure-Python busy loop, a lock acquired twice) each fail with pytest-timeout's traceback
+    naming the hung line, within a 2 s timeout set on the command line; the project's own timeout settings (the
+    signal method) are read from pyproject.toml; and the test after them still runs and passes."""
+    (tmp_path / PLANTED_FILE).write_text(PLANTED)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    done = subprocess.run(
+        [*PYTEST, "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path), "--timeout=2", "-q", PLANTED_FILE],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,  # the bound of this test itself: without the per-test timeout the child would never return
+        env=env,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "2 failed, 1 passed" in out, out
+    assert out.count("Failed: Timeout (>2.0s) from pytest-timeout") == 2, out
+    assert "while True:" in out and "lock.acquire()" in out, out  # the traceback points at each hung line
+
+
+def test_hypothesis_profiles_fast_default_and_deeper_ci():
+    """dev (default) is quick; ci (CI set, or HYPOTHESIS_PROFILE=ci) runs more examples and keeps no local database;
+    both print the reproduce blob and have no deadline (a loaded machine would make deadlines flaky)."""
+    dev, ci = settings.get_profile("dev"), settings.get_profile("ci")
+    assert dev.max_examples < ci.max_examples <= 200  # CI stays under its time budget beside a CPU hog
+    assert dev.print_blob and ci.print_blob
+    assert dev.deadline is None and ci.deadline is None
+    assert ci.database is None
+    wanted = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
+    assert settings.get_current_profile_name() == wanted
+
+
+def test_a_failing_property_reports_its_seed(tmp_path):
+    """A failing @given test's report carries the seed to replay it (`--hypothesis-seed=N`) and the blob."""
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('memos_conftest', {str(ROOT / 'tests' / 'conftest.py')!r})\n"
+        "module = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(module)\n"
+        "pytest_runtest_makereport = module.pytest_runtest_makereport\n"
+    )
+    (tmp_path / "test_prop.py").write_text(
+        "from hypothesis import given, settings, strategies as st\n\n"
+        "@settings(database=None, print_blob=True)\n@given(st.integers())\n"
+        "def test_small(x):\n    assert x < 10\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    done = subprocess.run(
+        [*PYTEST, "-q", "--rootdir", str(tmp_path), "test_prop.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "--hypothesis-seed=" in out and "@reproduce_failure(" in out, out
+
+
+def _item(filename: str, name: str, fixtures: tuple[str, ...] = (), source_fn=None):
+    marks: list[pytest.MarkDecorator] = []
+    return SimpleNamespace(
+        fspath=ROOT / "tests" / filename,
+        name=name,
+        fixturenames=list(fixtures),
+        function=source_fn,
+        add_marker=marks.append,
+        get_closest_marker=lambda n: next((m for m in marks if m.name == n), None),
+        marks=marks,
+    )
+
+
+def _starts_its_own_server():
+    from memos_ref.memory import RedisServer
+
+    return RedisServer  # the marker reads the source: "RedisServer(" below starts one
+    RedisServer()
+
+
+def test_markers_follow_fixture_use_not_file_edits():
+    """real_model from the SmolLM2 fixtures (or a test_real_* file), server from the redis fixture or a test that
+    starts RedisServer itself, slow from SLOW_FILES; LONG_TESTS' timeouts applied; a plain unit test gets none."""
+    plain = _item("test_paged_allocator.py", "test_x", ("tmp_path",))
+    real = _item("test_pretrained.py", "test_y", ("smollm2",))
+    real_file = _item("test_real_chat.py", "test_z")
+    server = _item("test_memory_backends.py", "test_w[redis]", ("redis_server",))
+    own_server = _item("test_tiering_manager.py", "test_v", (), _starts_its_own_server)
+    slow = _item("test_packaging.py", "test_wheel_holds_every_source_module_and_the_model", ("wheel",))
+    items = [plain, real, real_file, server, own_server, slow]
+    conftest.pytest_collection_modifyitems(None, items)
+    names = [sorted(m.name for m in it.marks) for it in items]
+    assert names == [[], ["real_model"], ["real_model"], ["server"], ["server"], ["slow", "timeout"]]
+    assert slow.get_closest_marker("timeout").args == (900,)
+
+
+def test_the_markers_are_registered(pytestconfig):
+    lines = pytestconfig.getini("markers")
+    for name in ("real_model", "server", "slow"):
+        assert any(line.startswith(f"{name}:") for line in lines), name
