@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.memos-ref-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup git-filter model redis browser lab test lint unit notebooks demo bench readme claims book gpu-check coverage clean
+.PHONY: setup git-filter model redis browser lab test lint unit notebooks demo bench readme claims book gpu-check coverage peers clean
 
 setup: $(STAMP) git-filter model
 
@@ -113,6 +113,12 @@ coverage: setup redis
 		$(wildcard tests/test_paged*.py tests/test_block*.py tests/test_session*.py tests/test_tiering*.py \
 		tests/test_quant*.py tests/test_regress*.py tests/test_pool*.py tests/test_policies*.py tests/test_engine*.py)
 	$(BIN)/python -m coverage report
+
+# The peers of the side-by-side benchmarks at pinned versions (vLLM's wheel from PyPI, Python sources only;
+# nano-vllm's commit from GitHub where it can be reached, else skipped with the reason) into
+# ~/.cache/memos-ref/peers; then `python -m memos_ref.bench allocator --json` compares with them.
+peers: setup
+	$(BIN)/python -m memos_ref.bench.peers fetch
 
 # The README's generated blocks (between <!-- results:NAME --> markers) from the committed results/*.json;
 # record a result with `python -m memos_ref.bench.report record NAME [--model M]`. make test checks they agree.

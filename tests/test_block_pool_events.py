@@ -333,22 +333,6 @@ def test_iter_block_hashes_is_the_chain_of_hash_block(ids, block_size, extra):
     assert list(prefix_module.iter_block_hashes(ids, block_size, extra)) == chain
 
 
-def test_bench_allocator_reports_median_min_max_and_ours_over_each_contender(monkeypatch):
-    from memos_ref.bench import allocator as bench
-
-    runners = {"ours": bench._run_ours, "deque": bench._run_deque, "peer": bench._run_deque}
-    monkeypatch.setattr(bench, "_contenders", lambda: (runners, {"peer": "the deque baseline again"}))
-    report = bench.run(quick=True, progress=False, repeats=2)
-    for row in report["results"]:
-        assert len(row["seconds_all"]) == row["repeats"] == 2
-        assert row["seconds_min"] <= row["seconds"] <= row["seconds_max"]
-    summary = report["summary"]
-    for key in ("small", "large"):
-        low, high = summary[f"ours_over_peer_pool_{key}_min_max"]
-        assert low <= high and summary[f"ours_over_peer_pool_{key}"] > 0
-    assert report["config"]["interleaved"] is True
-
-
 def test_admit_packs_the_prompt_once_and_the_index_verifies_blocks_by_their_packed_ids(monkeypatch):
     """The prompt is validated and packed by one call (pack_token_ids), the lookup hashes and verifies those
     bytes, and the index keeps each block's ids packed (tokens_of unpacks them). A forged entry under a
@@ -397,22 +381,3 @@ def test_pack_token_ids_accepts_and_refuses_exactly_what_check_token_ids_does(id
     got, packed = prefix_module.pack_token_ids("t", ids)
     assert got == want and all(type(t) is int for t in got) and packed == array("q", want).tobytes()
     assert got is not ids  # a copy: the caller's list stays the caller's
-
-
-def test_bench_allocator_explains_the_deque_time_by_its_scans():
-    """The O(pool) contenders' time is their free-list scans: every revival of a cached block scans past every
-    never-used id, so doubling the pool adds exactly one pool's worth of entries per ``deque.remove``; the bench
-    reports those counts, the measured cost of one scanned entry, and what every contender is."""
-    from memos_ref.bench import allocator as bench
-
-    trace = bench._trace(4, 2, 64, 16, 16)
-    small, large = bench._deque_scan_work(256, trace, 2), bench._deque_scan_work(512, trace, 2)
-    assert small["removes"] == large["removes"] > 0
-    assert large["scanned"] - small["scanned"] == 256 * small["removes"]
-    report = bench.run(quick=True, progress=False, repeats=1)
-    summary, notes = report["summary"], report["config"]["contender_notes"]
-    assert summary["deque_remove_calls_pool_small"] > 0 and summary["deque_scan_ns_per_entry"] > 0
-    assert summary["deque_scan_seconds_predicted_pool_small"] == pytest.approx(
-        summary["deque_entries_scanned_pool_small"] * summary["deque_scan_ns_per_entry"] * 1e-9
-    )
-    assert set(report["config"]["contenders"]) <= set(notes) and "deque.remove" in notes["deque"]

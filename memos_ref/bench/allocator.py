@@ -16,49 +16,45 @@ repeats (and every repeat), the summary the ratios ours / contender with their m
   (no allocator call until a block fills or a new one starts — vLLM's driver likewise calls its pool only then);
 * ``deque`` — a plain block manager in the style of nano-vllm with the same chained hashes, whose revival of a
   freed-but-cached block is a ``deque.remove`` scan (its cost grows with the pool);
-* ``vllm`` — vLLM v1's ``BlockPool`` + ``FreeKVCacheBlockQueue`` (pure Python), driven as its
-  ``KVCacheManager`` drives it, when ``MEMOS_REF_VLLM_SRC`` names a vLLM source checkout (the folder holding
-  ``vllm/``); its two files are imported with every other vLLM import stubbed (:func:`_import_with_stubs`);
-* ``nanovllm`` — nano-vllm's ``BlockManager``, driven as its scheduler drives it, when
-  ``MEMOS_REF_NANOVLLM_SRC`` names a nano-vllm checkout (the folder holding ``nanovllm/``). Without the
-  ``xxhash`` package a BLAKE2b stand-in with the same interface is used (noted in the JSON).
+* ``vllm`` — vLLM v1's ``BlockPool`` + ``FreeKVCacheBlockQueue`` (pure Python) at the pinned release
+  (:data:`memos_ref.bench.peers.VLLM_VERSION`), driven as its ``KVCacheManager`` drives it, with vLLM's own
+  default hashing; ``vllm_shared_hash`` is the same pool fed the package's BLAKE2b chain, so the two rows show
+  what hashing costs apart from bookkeeping (:mod:`memos_ref.bench.allocator_peers`);
+* ``nanovllm`` — nano-vllm's ``BlockManager`` at the pinned commit, driven as its scheduler drives it, with its
+  own ``xxh64``.
 
-No source of either is vendored; a contender whose source is absent is skipped with a note in the JSON. Every
-contender hashes with its own design's scheme: ours, the deque baseline and the vLLM driver the package's
-chained BLAKE2b block hashes (vLLM's keys also hold the token ids), nano-vllm its xxh64. ``--quick`` runs a small
+``make peers`` fetches both into a cache folder (:mod:`memos_ref.bench.peers`); a peer that is absent is
+skipped with the reason in the JSON, and the JSON's ``peers`` records each one's version or commit and source.
+Each repeat runs every (pool, contender) pair once in a shuffled order; each ratio ``ours / peer`` is taken per
+repeat (the two runs of the same repeat) and reported as the median [min–max] of those pairs, with a verdict
+("faster", "slower", or "inconclusive" when the pairs straddle 1). ``--quick`` runs a small
 trace on pools of 4,096 and 65,536 blocks.
 """
 
 from __future__ import annotations
 
 import gc
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import inspect
-import os
 import random
 import statistics
-import sys
 import time
-import types
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from memos_ref.bench import peers
+from memos_ref.bench.allocator_peers import nanovllm_contender, vllm_contender
 from memos_ref.bench.common import envelope, format_table
 from memos_ref.paged.allocator import BlockAllocator
-from memos_ref.paged.prefix import PrefixCache, block_hashes, iter_block_hashes
+from memos_ref.paged.prefix import PrefixCache, block_hashes
 from memos_ref.paged.sequence import SequenceCache
 from memos_ref.spec import KVSpec
 
 __all__ = ["DequeBlockManager", "NullPool", "human", "plot", "run"]
 
 BLOCK = 16
-VLLM_ENV, NANOVLLM_ENV = "MEMOS_REF_VLLM_SRC", "MEMOS_REF_NANOVLLM_SRC"
+Runner = Callable[[int, Any, int], dict[str, Any]]
 #: Every contender is timed in CPU seconds of this process: on a loaded machine wall time also counts the time
 #: slices other processes took (the work is single-threaded, so CPU time is the work's own time)
 _clock = time.process_time
@@ -234,225 +230,10 @@ def _run_deque(num_blocks: int, trace, rounds: int, free: deque[int] | None = No
     return {"seconds": _clock() - started}
 
 
-# ---------------------------------------------------------------------------------------------- optional contenders
-class _Stub(types.ModuleType):
-    """A module that answers every attribute with a permissive stand-in class (and is a package too)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.__path__: list[str] = []
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = _stub_class(name)
-        setattr(self, name, value)
-        return value
-
-
-def _stub_class(name: str) -> type:
-    def ignore(*args: Any, **kwargs: Any) -> None:
-        return None
-
-    return type(
-        name,
-        (),
-        {
-            "__init__": lambda self, *a, **k: None,
-            "__getattr__": lambda self, attr: ignore,
-            "__class_getitem__": classmethod(lambda cls, item: cls),
-        },
-    )
-
-
-class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports ``wanted`` modules of package ``top`` from ``root``; answers any other ``top.*`` import with a stub."""
-
-    def __init__(self, root: Path, top: str, wanted: set[str]) -> None:
-        self.root, self.top, self.wanted = root, top, wanted
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self.top and not fullname.startswith(self.top + "."):
-            return None
-        if fullname in self.wanted:
-            file = self.root.joinpath(*fullname.split(".")).with_suffix(".py")
-            return importlib.util.spec_from_file_location(fullname, file)
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return _Stub(spec.name)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
-def _import_with_stubs(root: Path, top: str, wanted: list[str]) -> dict[str, types.ModuleType]:
-    """Import the modules ``wanted`` (dotted names under package ``top``) from the source files under ``root``,
-    with every other import of ``top.*`` they make answered by a stub — so one file of a large project (vLLM's
-    ``block_pool.py``) loads without its dependencies. ``sys.modules`` is restored afterwards: the modules
-    returned stay usable, nothing else sees them."""
-    for name in wanted:
-        if not root.joinpath(*name.split(".")).with_suffix(".py").is_file():
-            raise FileNotFoundError(f"{root} has no {name.replace('.', '/')}.py")
-    saved = {k: v for k, v in sys.modules.items() if k == top or k.startswith(top + ".")}
-    for k in saved:
-        del sys.modules[k]
-    finder = _SourceFinder(root, top, set(wanted))
-    sys.meta_path.insert(0, finder)
-    try:
-        return {name: importlib.import_module(name) for name in wanted}
-    finally:
-        sys.meta_path.remove(finder)
-        for k in [k for k in sys.modules if k == top or k.startswith(top + ".")]:
-            del sys.modules[k]
-        sys.modules.update(saved)
-
-
-class _VllmRequest:
-    """What ``BlockPool.cache_full_blocks`` reads of a vLLM ``Request``."""
-
-    def __init__(self, token_ids: list[int]) -> None:
-        self.all_token_ids = token_ids
-        self.block_hashes: list[Any] = []
-        self.lora_request = None
-
-
-def _vllm_contender(src: Path) -> Callable[[int, Any, int], dict[str, Any]]:
-    """vLLM v1's BlockPool, driven as KVCacheManager drives it for one full-attention group: block hashes
-    computed once per request (at arrival, then as blocks fill), the longest cached prefix found hash by hash
-    (at most ``len - 1`` tokens), ``touch`` on hits, ``get_new_blocks``, ``cache_full_blocks`` and, at the end,
-    ``free_blocks`` of the table in reverse order."""
-    mods = _import_with_stubs(src, "vllm", ["vllm.v1.core.kv_cache_utils", "vllm.v1.core.block_pool"])
-    utils, BlockPool = mods["vllm.v1.core.kv_cache_utils"], mods["vllm.v1.core.block_pool"].BlockPool
-    params = inspect.signature(BlockPool.__init__).parameters
-    tuple_keys = not hasattr(utils, "make_block_hash_with_group_id")  # older vLLM: BlockHash(hash, tokens, extra)
-    touch_groups = "blocks" in inspect.signature(BlockPool.touch).parameters and tuple_keys
-
-    def key(block_hash: bytes, tokens: list[int]) -> Any:
-        return utils.BlockHash(block_hash, tuple(tokens), None) if tuple_keys else block_hash
-
-    def run(num_blocks: int, trace, rounds: int) -> dict[str, Any]:
-        system_ids, new_tokens, decoded = trace
-        kwargs: dict[str, Any] = {"enable_caching": True}
-        if "hash_block_size" in params:
-            kwargs["hash_block_size"] = BLOCK
-        pool = BlockPool(num_blocks + 1, **kwargs)  # vLLM keeps block 0 as its null block
-        history = [list(system_ids) for _ in new_tokens]
-        started = _clock()
-        for r in range(rounds):
-            live = []
-            for a, own in enumerate(new_tokens):
-                prompt = history[a] + own[r]
-                req = _VllmRequest(list(prompt))
-                chain = iter_block_hashes(prompt, BLOCK, _EXTRA)
-                req.block_hashes = [key(h, prompt[i * BLOCK : (i + 1) * BLOCK]) for i, h in enumerate(chain)]
-                hit = []
-                for bh in req.block_hashes[: (len(prompt) - 1) // BLOCK]:
-                    got = pool.get_cached_block(bh, [0])
-                    if not got:
-                        break
-                    hit.append(got[0])
-                pool.touch((hit,) if touch_groups else hit)
-                blocks = hit + pool.get_new_blocks(-(-len(prompt) // BLOCK) - len(hit))
-                pool.cache_full_blocks(req, blocks, len(hit), len(prompt) // BLOCK, BLOCK, 0)
-                live.append((req, blocks, decoded[a][r]))
-            for step in range(len(decoded[0][r])):
-                for req, blocks, tokens in live:
-                    ids = req.all_token_ids
-                    ids.append(tokens[step])
-                    n = len(ids)
-                    if n > len(blocks) * BLOCK:
-                        blocks.extend(pool.get_new_blocks(1))
-                    if n % BLOCK == 0:  # a block filled: hash it (once) and cache it
-                        parent = req.block_hashes[-1] if req.block_hashes else None
-                        parent_bytes = (parent.hash_value if tuple_keys else parent) if parent is not None else b""
-                        h = next(iter_block_hashes(ids[n - BLOCK : n], BLOCK, _EXTRA, parent_bytes))
-                        req.block_hashes.append(key(h, ids[n - BLOCK : n]))
-                        pool.cache_full_blocks(req, blocks, n // BLOCK - 1, n // BLOCK, BLOCK, 0)
-            for a, (req, blocks, _) in enumerate(live):
-                history[a] = req.all_token_ids
-                pool.free_blocks(reversed(blocks))
-        return {"seconds": _clock() - started}
-
-    return run
-
-
-def _xxhash_stand_in() -> types.ModuleType:
-    """A stand-in for the ``xxhash`` package (its ``xxh64`` interface over BLAKE2b, 8-byte digests)."""
-    import hashlib
-
-    class xxh64:  # the name nano-vllm calls
-        def __init__(self) -> None:
-            self._h = hashlib.blake2b(digest_size=8)
-
-        def update(self, data: bytes) -> None:
-            self._h.update(data)
-
-        def intdigest(self) -> int:
-            return int.from_bytes(self._h.digest(), "little")
-
-    module = types.ModuleType("xxhash")
-    module.xxh64 = xxh64  # type: ignore[attr-defined]
-    return module
-
-
-def _nanovllm_contender(src: Path) -> tuple[Callable[[int, Any, int], dict[str, Any]], str]:
-    """nano-vllm's BlockManager, driven as its scheduler drives it: ``can_allocate`` + ``allocate`` for a
-    prompt, ``hash_blocks`` after each step, ``append_token`` + ``may_append`` per decoded token, ``deallocate``
-    at the end. Returns the runner and the hash it uses."""
-    try:
-        import xxhash  # noqa: F401
-
-        hashing, stand_in = "xxhash.xxh64", None
-    except ImportError:
-        hashing, stand_in = "BLAKE2b 8-byte stand-in for xxhash (package absent)", _xxhash_stand_in()
-    if stand_in is not None:
-        sys.modules["xxhash"] = stand_in
-    try:
-        names = ["nanovllm.sampling_params", "nanovllm.engine.sequence", "nanovllm.engine.block_manager"]
-        mods = _import_with_stubs(src, "nanovllm", names)
-    finally:
-        if stand_in is not None:
-            del sys.modules["xxhash"]
-    Sequence, BlockManager = (
-        mods["nanovllm.engine.sequence"].Sequence,
-        mods["nanovllm.engine.block_manager"].BlockManager,
-    )
-
-    def run(num_blocks: int, trace, rounds: int) -> dict[str, Any]:
-        system_ids, new_tokens, decoded = trace
-        Sequence.block_size = BLOCK
-        mgr = BlockManager(num_blocks, BLOCK)
-        history = [list(system_ids) for _ in new_tokens]
-        started = _clock()
-        for r in range(rounds):
-            live = []
-            for a, own in enumerate(new_tokens):
-                seq = Sequence(history[a] + own[r])
-                cached = mgr.can_allocate(seq)
-                mgr.allocate(seq, cached)
-                seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens
-                mgr.hash_blocks(seq)
-                seq.num_cached_tokens += seq.num_scheduled_tokens
-                live.append((seq, decoded[a][r]))
-            for step in range(len(decoded[0][r])):
-                for seq, tokens in live:
-                    seq.append_token(tokens[step])
-                    mgr.may_append(seq)
-                    seq.num_scheduled_tokens = 1
-                    mgr.hash_blocks(seq)
-                    seq.num_cached_tokens += 1
-            for a, (seq, _) in enumerate(live):
-                history[a] = list(seq.token_ids)
-                mgr.deallocate(seq)
-        return {"seconds": _clock() - started}
-
-    return run, hashing
-
-
-def _contenders() -> tuple[dict[str, Callable[[int, Any, int], dict[str, Any]]], dict[str, str]]:
-    """The contenders to run, and notes on the optional ones (skipped, or how they were loaded)."""
-    runners: dict[str, Callable[[int, Any, int], dict[str, Any]]] = {"ours": _run_ours, "deque": _run_deque}
+def _contenders() -> tuple[dict[str, Runner], dict[str, str], dict[str, Any]]:
+    """The contenders to run, notes on each (how it was loaded, or why it was skipped), and the peers'
+    versions (what :func:`memos_ref.bench.peers.locate` found)."""
+    runners: dict[str, Runner] = {"ours": _run_ours, "deque": _run_deque}
     notes: dict[str, str] = {
         "ours": "memos_ref BlockAllocator + PrefixCache + SequenceCache (admit per request, append_token per token); "
         "chained BLAKE2b-128 block hashes, token ids verified on every hit, prompts validated once",
@@ -461,24 +242,34 @@ def _contenders() -> tuple[dict[str, Callable[[int, Any, int], dict[str, Any]]],
         "a scan of the free list, so its time grows with the pool (see deque_entries_scanned_* and "
         "deque_scan_ns_per_entry in the summary)",
     }
-    for name, env in (("vllm", VLLM_ENV), ("nanovllm", NANOVLLM_ENV)):
-        src = os.environ.get(env)
-        if not src:
-            notes[name] = f"skipped: set {env} to a {name} source checkout to compare"
+    peer_info: dict[str, Any] = {}
+    for name in ("vllm", "nanovllm"):
+        src = peers.locate(name)
+        if src is None:
+            notes[name] = f"skipped: run `make peers` (or set {peers.ENV[name]} to a {name} source folder)"
+            peer_info[name] = None
             continue
+        peer_info[name] = src.info
         try:
             if name == "vllm":
-                runners[name] = _vllm_contender(Path(src))
-                notes[name] = f"from {src} (vllm.v1.core.block_pool with stubbed imports)"
+                runners["vllm"] = vllm_contender(src.path, hashing="own")
+                runners["vllm_shared_hash"] = vllm_contender(src.path, hashing="shared")
+                where = f"vLLM {src.info.get('version')} from {src.info.get('source')}"
+                notes["vllm"] = (
+                    f"{where}: vllm.v1.core.block_pool + kv_cache_utils with stubbed imports, vLLM's default "
+                    "hashing (prefix_caching_hash_algo='sha256': SHA-256 of the pickle of (parent, tokens, None))"
+                )
+                notes["vllm_shared_hash"] = f"{where}: the same BlockPool fed the package's chained BLAKE2b-128"
             else:
-                runners[name], hashing = _nanovllm_contender(Path(src))
+                runners[name], hashing = nanovllm_contender(src.path)
                 notes[name] = (
-                    f"from {src}; hashing: {hashing}; revives a cached block with deque.remove over its free-id "
-                    f"deque (the same O(pool) scan as the deque baseline)"
+                    f"nano-vllm {src.info.get('commit', '(commit unknown)')} from {src.info.get('source')}; "
+                    f"hashing: {hashing}; revives a cached block with deque.remove over its free-id deque "
+                    "(the same O(pool) scan as the deque baseline)"
                 )
         except Exception as exc:  # an incompatible checkout must not break the benchmark
-            notes[name] = f"skipped: could not load from {src}: {type(exc).__name__}: {exc}"
-    return runners, notes
+            notes[name] = f"skipped: could not load from {src.path}: {type(exc).__name__}: {exc}"
+    return runners, notes, peer_info
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -496,24 +287,35 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def run(quick: bool = False, progress: bool = True, repeats: int | None = None) -> dict[str, Any]:
-    """Time every contender on the trace at both pool sizes, interleaved over ``repeats``."""
+def run(quick: bool = False, progress: bool = True, repeats: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """Time every contender on the trace at both pool sizes, interleaved over ``repeats``: each repeat runs
+    every (pool, contender) pair once, in an order shuffled per repeat (seeded), so a loaded machine slows
+    them alike and no contender always runs first or last."""
     agents, rounds, system, own, decode = (8, 2, 256, 64, 32) if quick else (64, 4, 2048, 256, 256)
     pools = (4096, 65_536) if quick else (65_536, 1_048_576)
-    repeats = repeats if repeats is not None else (2 if quick else 3)
+    repeats = repeats if repeats is not None else (2 if quick else 5)
     trace = _trace(agents, rounds, system, own, decode)
-    runners, notes = _contenders()
+    runners, notes, peer_info = _contenders()
     # deque.remove scans the pool: at the large pool the O(pool) contenders run once (minutes otherwise)
     slow = {"deque", "nanovllm"}
+    rng = random.Random(seed)
     seconds: dict[tuple[str, int], list[float]] = {(name, pool): [] for name in runners for pool in pools}
+    by_repeat: dict[tuple[str, int], dict[int, float]] = {key: {} for key in seconds}
     ours_stats: dict[int, dict[str, Any]] = {}
-    steps = [(rep, pool, name) for rep in range(repeats) for pool in pools for name in runners]
+    orders: list[list[str]] = []
+    steps = []
+    for rep in range(repeats):
+        order = [(pool, name) for pool in pools for name in runners]
+        rng.shuffle(order)
+        orders.append([f"{name}@{pool}" for pool, name in order])
+        steps += [(rep, pool, name) for pool, name in order]
     for rep, pool, name in tqdm(steps, desc="bench allocator", disable=not progress):
         if rep > 0 and name in slow and pool == pools[-1] and not quick:
             continue
         gc.collect()  # the garbage of the previous run (vLLM's pool is a cycle of Python objects) is not billed here
         out = runners[name](pool, trace, rounds)
         seconds[(name, pool)].append(out["seconds"])
+        by_repeat[(name, pool)][rep] = out["seconds"]
         if name == "ours":
             ours_stats[pool] = out["stats"]
     latencies: list[float] = []
@@ -544,7 +346,7 @@ def run(quick: bool = False, progress: bool = True, repeats: int | None = None) 
                 row["prefix_hit_tokens"] = stats["prefix_hit_tokens"]
                 row["prefix_query_tokens"] = stats["prefix_query_tokens"]
             results.append(row)
-    summary = _summary(seconds, runners, pools, quick, tokens, ours_stats, latencies)
+    summary = _summary(by_repeat, runners, pools, quick, tokens, ours_stats, latencies)
     s_key = "small" if quick else "64k"
     summary[f"deque_remove_calls_pool_{s_key}"] = scans["removes"]
     summary[f"deque_entries_scanned_pool_{s_key}"] = scans["scanned"]
@@ -561,24 +363,37 @@ def run(quick: bool = False, progress: bool = True, repeats: int | None = None) 
         "pools": list(pools),
         "repeats": repeats,
         "interleaved": True,
+        "order": "shuffled per repeat (random.Random(seed)); both pools in every repeat",
+        "orders": orders,
+        "seed": seed,
+        "ratios": "per repeat: ours / contender at the same pool in the same repeat; median [min-max] of those",
         "repeats_at_large_pool_for_o_pool_contenders": 1 if not quick else repeats,
         "contenders": sorted(runners),
         "contender_notes": notes,
         "metadata_only": True,
     }
-    return envelope("allocator", config, results, summary)
+    report = envelope("allocator", config, results, summary)
+    report["peers"] |= {**peer_info, **peers.versions("transformers")}
+    return report
 
 
-def _summary(seconds, runners, pools, quick, tokens, ours_stats, latencies) -> dict[str, Any]:
+def _paired(by_repeat, a: tuple[str, int], b: tuple[str, int]) -> list[float]:
+    """The ratios a / b of the repeats where both ran (same repeat, so the same machine state)."""
+    return [by_repeat[a][rep] / by_repeat[b][rep] for rep in sorted(by_repeat[a]) if rep in by_repeat[b]]
+
+
+def _summary(by_repeat, runners, pools, quick, tokens, ours_stats, latencies) -> dict[str, Any]:
     small, large = pools
     s_key, l_key = ("small", "large") if quick else ("64k", "1m")
-    med = {k: statistics.median(v) for k, v in seconds.items()}
+    med = {k: statistics.median(v.values()) for k, v in by_repeat.items()}
+    slowdown = _paired(by_repeat, ("ours", large), ("ours", small))
+    deque_slowdown = _paired(by_repeat, ("deque", large), ("deque", small))
     summary: dict[str, Any] = {
         f"tokens_per_s_pool_{s_key}": tokens / med[("ours", small)],
         f"tokens_per_s_pool_{l_key}": tokens / med[("ours", large)],
-        "pool_size_slowdown": med[("ours", large)] / med[("ours", small)],
-        "pool_size_slowdown_min_max": _ratio_range(seconds[("ours", large)], seconds[("ours", small)]),
-        "deque_pool_size_slowdown": med[("deque", large)] / med[("deque", small)],
+        "pool_size_slowdown": statistics.median(slowdown),
+        "pool_size_slowdown_min_max": [min(slowdown), max(slowdown)],
+        "deque_pool_size_slowdown": statistics.median(deque_slowdown),
         "alloc_p50_us": latencies[len(latencies) // 2] * 1e6,
         "alloc_p99_us": latencies[int(0.99 * (len(latencies) - 1))] * 1e6,
         f"speedup_vs_deque_baseline_pool_{l_key}": med[("deque", large)] / med[("ours", large)],
@@ -588,24 +403,19 @@ def _summary(seconds, runners, pools, quick, tokens, ours_stats, latencies) -> d
         if name in ("ours", "deque"):
             continue
         for pool, key in ((small, s_key), (large, l_key)):
-            # > 1: ours is faster. min-max over the per-repeat pairs of the interleaved runs
-            summary[f"speedup_vs_{name}_pool_{key}"] = med[(name, pool)] / med[("ours", pool)]
-            summary[f"speedup_vs_{name}_pool_{key}_min_max"] = _ratio_range(
-                seconds[(name, pool)], seconds[("ours", pool)]
-            )
-            # < 1: ours is faster (the issue's target: ours / vLLM <= 1 at both pool sizes)
-            summary[f"ours_over_{name}_pool_{key}"] = med[("ours", pool)] / med[(name, pool)]
-            summary[f"ours_over_{name}_pool_{key}_min_max"] = _ratio_range(
-                seconds[("ours", pool)], seconds[(name, pool)]
-            )
-        summary[f"{name}_pool_size_slowdown"] = med[(name, large)] / med[(name, small)]
+            ratios = _paired(by_repeat, ("ours", pool), (name, pool))
+            if not ratios:
+                continue
+            # < 1: ours is faster. The median and min-max of the per-repeat paired ratios (not a ratio of medians)
+            summary[f"ours_over_{name}_pool_{key}"] = statistics.median(ratios)
+            summary[f"ours_over_{name}_pool_{key}_min_max"] = [min(ratios), max(ratios)]
+            summary[f"ours_over_{name}_pool_{key}_pairs"] = len(ratios)
+            verdict = "faster" if max(ratios) < 1 else "slower" if min(ratios) > 1 else "inconclusive"
+            summary[f"ours_vs_{name}_pool_{key}_verdict"] = verdict
+        own = _paired(by_repeat, (name, large), (name, small))
+        if own:
+            summary[f"{name}_pool_size_slowdown"] = statistics.median(own)
     return summary
-
-
-def _ratio_range(numerators: list[float], denominators: list[float]) -> list[float]:
-    """Min and max of the per-repeat ratios (pairs taken in run order; extra runs of either side ignored)."""
-    ratios = [a / b for a, b in zip(numerators, denominators)]
-    return [min(ratios), max(ratios)]
 
 
 def human(report: dict[str, Any]) -> str:

@@ -108,13 +108,16 @@ def machine_info() -> dict[str, Any]:
 def envelope(
     name: str, config: dict[str, Any], results: list[dict[str, Any]], summary: dict[str, Any]
 ) -> dict[str, Any]:
-    """The one JSON object a benchmark prints."""
+    """The one JSON object a benchmark prints, with the versions of the peers a benchmark may compare with
+    (``peers``: cachetools, redis-py, redis-server as found now; a benchmark adds the ones it loads itself)."""
     from memos_ref import __version__
+    from memos_ref.bench.peers import versions
 
     return {
         "bench": name,
         "version": __version__,
         "machine": machine_info(),
+        "peers": versions("cachetools", "redis-py", "redis-server"),
         "config": config,
         "results": results,
         "summary": summary,
