@@ -220,8 +220,8 @@ def interleaved_times(
     all contenders alike and the *paired* ratios of one round stay comparable.
 
     ``warmup`` untimed rounds run first. The loop is bounded in count (``rounds``) and in time: once
-    ``max_seconds`` have passed, no new round starts (at least one timed round always runs). Feed the result to
-    :func:`paired_ratios`.
+    ``max_seconds`` have passed, no new round starts — except that ``min(rounds, MIN_ROUNDS)`` rounds always
+    run, the fewest that have a spread. Feed the result to :func:`paired_ratios`.
     """
     check_type("fns", fns, Mapping)
     if not fns or not all(callable(f) for f in fns.values()):
@@ -236,7 +236,7 @@ def interleaved_times(
     times: dict[str, list[float]] = {name: [] for name in names}
     start = time.perf_counter()
     for r in range(rounds):
-        if r and time.perf_counter() - start > max_seconds:
+        if r >= MIN_ROUNDS and time.perf_counter() - start > max_seconds:
             break
         for name in names[r % len(names) :] + names[: r % len(names)]:
             t0 = time.perf_counter()
