@@ -241,3 +241,13 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"memos-ref: hypothesis profile {settings.get_current_profile_name()!r}, per-test timeout " + (
         f"{config.getoption('timeout', None) or config.getini('timeout')} s"
     )
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A private Redis Cluster (3 masters, 3 replicas, cluster-node-timeout 1 s) for the whole run; see
+    tests/redis_cluster.py (missing redis-server: a failure in CI, a skip elsewhere)."""
+    from redis_cluster import running_cluster
+
+    with running_cluster() as cluster:
+        yield cluster

@@ -1,0 +1,162 @@
+"""The cluster tier on a real 6-node Redis Cluster (3 masters, 3 replicas): keys, hash tags, one pipelined round
+per node, tenants, TTL and budget, planted values, a full node, a slot migrated mid-run (MOVED/ASK), metrics."""
+
+from __future__ import annotations
+
+import redis
+import torch
+
+from memos_ref.spec import KVSpec
+from memos_ref.tiering.blockfile import encode_block
+from memos_ref.tiering.cluster import ClusterTierBackend
+from memos_ref.tiering.cluster_metrics import ClusterMetrics
+from memos_ref.tiering.codecs import Codec
+from memos_ref.tiering.store import Tier, TierStore
+
+FP = "clustertest00000"
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=8, dtype=torch.float32)
+
+
+def node(cluster, port: int) -> redis.Redis:
+    return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
+
+
+def owner(cluster, rkey: str) -> int:
+    """The port of the master owning ``rkey``'s slot."""
+    any_node = node(cluster, cluster.master_ports()[0])
+    slot = any_node.cluster("keyslot", rkey)
+    for lo, hi, master, *_ in any_node.cluster("slots"):
+        if lo <= slot <= hi:
+            return int(master[1])
+    raise AssertionError(f"slot {slot} has no owner")
+
+
+def backend(cluster, tenant: str, **kw) -> ClusterTierBackend:
+    return ClusterTierBackend(cluster.url, fingerprint=FP, tenant=tenant, timeout=0.5, **kw)
+
+
+def test_hash_tag_one_round_per_node_and_roundtrip(redis_cluster):
+    b = backend(redis_cluster, "rounds")
+    items = {f"blk{i:03d}": bytes([i]) * (100 + i) for i in range(30)}
+    assert all(b.put_many(items).values())
+    rkey = b.prefix + "{blk007}"
+    c = node(redis_cluster, redis_cluster.master_ports()[0])
+    assert c.cluster("keyslot", rkey + ":v") == c.cluster("keyslot", rkey + ":m")  # value and metadata: one slot
+    before = {n: c_["rounds"] for n, c_ in b.node_counts.items()}
+    got = b.get_many([*items, "absent"])
+    assert got == items
+    rounds = {n: b.node_counts[n]["rounds"] - before.get(n, 0) for n in b.node_counts}
+    assert sorted(rounds.values()) == [1, 1, 1]  # 31 keys on 3 masters: one pipelined round each
+    assert b.counts["hits"] == 30 and b.counts["misses"] == 1
+    assert sorted(b.keys()) == sorted(items)
+    b.clear()
+    assert b.keys() == []
+
+
+def test_tenants_and_models_are_separate(redis_cluster):
+    alice, bob = backend(redis_cluster, "alice"), backend(redis_cluster, "bob")
+    other_model = ClusterTierBackend(redis_cluster.url, fingerprint="another0model000", tenant="alice")
+    assert alice.put("k1", b"alice's block")
+    assert bob.get("k1") is None and other_model.get("k1") is None and alice.get("k1") == b"alice's block"
+    alice.clear()
+
+
+def test_ttl_and_tenant_budget(redis_cluster):
+    b = backend(redis_cluster, "budget", ttl=30, tenant_budget_bytes=3000)
+    assert b.put_many({"a": b"x" * 1000, "b": b"y" * 1000}) == {"a": True, "b": True}
+    assert b.nbytes == 2000
+    assert b.put("a", b"x" * 1000)  # already stored (same key, same bytes): not charged again
+    assert b.nbytes == 2000
+    assert b.put("c", b"z" * 1500) is False and b.counts["budget_refused"] == 1  # would pass 3000
+    assert b.get("c") is None and b.get("b") == b"y" * 1000
+    port = owner(redis_cluster, b.prefix + "{a}:v")
+    assert 0 < node(redis_cluster, port).pttl(b.prefix + "{a}:v") <= 30_000
+    b.clear()
+
+
+def _block(seed: int) -> torch.Tensor:
+    return torch.randn(SPEC.block_shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_planted_wrong_type_and_wrong_body_are_counted_misses(redis_cluster):
+    b = backend(redis_cluster, "planted")
+    store = TierStore([Tier(b)], spec=SPEC, fingerprint=FP)
+    good = _block(1)
+    assert store.put("good", good) and torch.equal(store.get("good")[0], good)
+    # a list planted where a block belongs: WRONGTYPE, a miss, and the keys are removed
+    port = owner(redis_cluster, b.prefix + "{wt}:v")
+    node(redis_cluster, port).rpush(b.prefix + "{wt}:v", b"not a block")
+    assert store.get("wt") is None
+    assert b.error_counts["wrongtype"] == 1 and b.counts["healed"] == 1
+    assert node(redis_cluster, port).exists(b.prefix + "{wt}:v") == 0
+    # a block file with a valid header and a wrong body, planted with metadata that agrees with it
+    data = bytearray(encode_block(_block(2), spec=SPEC, fingerprint=FP, codec=Codec(), key="wb"))
+    data[-5] ^= 0xFF
+    assert b.put("wb", bytes(data))
+    assert store.get("wb") is None
+    assert store.counts["cluster"]["corrupt"] == 1 and b.get("wb") is None  # the store deleted it
+    # the right bytes under metadata that disagrees with them: the backend refuses them before decoding
+    assert store.put("wm", _block(3))
+    port = owner(redis_cluster, b.prefix + "{wm}:m")
+    node(redis_cluster, port).set(b.prefix + "{wm}:m", b"12:" + b"0" * 32)
+    assert store.get("wm") is None and b.counts["corrupt"] == 1
+    assert torch.equal(store.get("good")[0], good)  # nothing else was touched
+    b.clear()
+
+
+def test_a_full_node_drops_writes_and_keeps_serving_reads(redis_cluster):
+    b = backend(redis_cluster, "oom")
+    keys = {f"o{i}": b"v" * 200 for i in range(30)}
+    assert all(b.put_many(keys).values())
+    full = owner(redis_cluster, b.prefix + "{n0}:v")
+    full_node = node(redis_cluster, full)
+    full_node.config_set("maxmemory", "1")  # noeviction (the fixture's policy): every write is refused with OOM
+    try:
+        new = {f"n{i}": b"w" * 200 for i in range(30)}
+        stored = b.put_many(new)
+        on_full = [k for k in new if owner(redis_cluster, b.prefix + f"{{{k}}}:v") == full]
+        assert on_full and not any(stored[k] for k in on_full)
+        assert all(stored[k] for k in new if k not in on_full)
+        assert b.error_counts["oom"] == len(on_full) and b.counts["dropped_puts"] == len(on_full)
+        assert b.get_many(keys) == keys  # reads still served by the full node
+    finally:
+        full_node.config_set("maxmemory", "0")
+    b.clear()
+
+
+def test_slot_migrated_mid_run_answers_through_ask_and_moved(redis_cluster):
+    b = backend(redis_cluster, "migrate")
+    keys = {f"m{i}": bytes([i]) * 300 for i in range(20)}
+    assert all(b.put_many(keys).values())
+    assert b.get_many(keys) == keys  # the client's slot map is current
+    key = "m3"
+    v, m = b.prefix + f"{{{key}}}:v", b.prefix + f"{{{key}}}:m"
+    src_port = owner(redis_cluster, v)
+    dst_port = next(p for p in redis_cluster.master_ports() if p != src_port)
+    src, dst = node(redis_cluster, src_port), node(redis_cluster, dst_port)
+    slot = src.cluster("keyslot", v)
+    src_id, dst_id = src.cluster("myid").decode(), dst.cluster("myid").decode()
+    dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    src.execute_command("MIGRATE", "127.0.0.1", dst_port, "", 0, 5000, "KEYS", v)  # half-way: the value moved
+    assert b.get_many(keys) == keys  # the value answers ASK: followed, still the right bytes
+    assert b.error_counts["ask"] >= 1
+    src.execute_command("MIGRATE", "127.0.0.1", dst_port, "", 0, 5000, "KEYS", m)
+    for port in redis_cluster.master_ports():
+        node(redis_cluster, port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    assert b.get_many(keys) == keys  # the stale slot map answers MOVED: followed, then refreshed
+    assert b.error_counts["moved"] >= 1 and b.counts["redirect_retries"] >= 2
+    assert b.get_many(keys) == keys
+    b.clear()
+
+
+def test_metrics_per_node_and_error_kind(redis_cluster):
+    b = backend(redis_cluster, "metrics")
+    b.put_many({"x": b"1", "y": b"2"})
+    port = owner(redis_cluster, b.prefix + "{z}:v")
+    node(redis_cluster, port).rpush(b.prefix + "{z}:v", b"list")
+    b.get_many(["x", "y", "z"])
+    text = ClusterMetrics(b).exposition()
+    assert f'memos_cluster_errors_total{{kind="wrongtype",node="127.0.0.1:{port}"}} 1.0' in text
+    assert "memos_cluster_hits_total 2.0" in text and "memos_cluster_node_rounds_total{" in text
+    b.clear()
