@@ -1,6 +1,7 @@
 # memos-ref: every target sets itself up (venv + pinned packages) on a machine with only python3, pip and make.
 #   make lab    open JupyterLab on notebooks/        make test   ruff + pytest + every notebook (nbmake)
 #   make demo   generate with each cache, print a table   make bench  every benchmark, with plots
+#   make check  lint + the fast unit tests (no real model, no server)   make mutation  mutants of changed core code
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -14,7 +15,7 @@ STAMP  := $(VENV)/.memos-ref-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup git-filter model redis browser lab test lint unit notebooks demo bench readme claims book gpu-check coverage peers clean
+.PHONY: setup git-filter model redis browser lab test lint unit notebooks check mutation demo bench readme claims book gpu-check coverage peers clean
 
 setup: $(STAMP) git-filter model
 
@@ -88,11 +89,29 @@ lint: setup
 	$(BIN)/ruff check memos_ref kernels edge tests notebooks scripts
 	$(BIN)/ruff format --check memos_ref kernels edge tests scripts
 
+# Tests run on every core with pytest-xdist (JOBS=0: in one process). A test file stays on one worker
+# (--dist loadfile), so its module fixtures (a built wheel, a quick benchmark) are made once; each worker starts its
+# own redis-server on a free port; the real model's one-time preparation is guarded by a file lock. Every test has
+# a timeout (pyproject.toml; a hang fails that test with a traceback). See docs/testing.md.
+JOBS  ?= auto
+XDIST := -n $(JOBS) --dist loadfile
+
 unit: setup redis browser
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest $(XDIST) --durations=30 tests
 
 notebooks: setup redis
-	$(BIN)/python -m pytest --nbmake --nbmake-timeout=120 --durations=0 notebooks
+	$(BIN)/python -m pytest -n $(JOBS) --nbmake --nbmake-timeout=120 --durations=0 notebooks
+
+# The edit-test loop: lint, then the unit tests that need neither the real model nor a server and start no
+# subprocess benchmark, build or browser (markers applied by tests/conftest.py). `make test` runs everything.
+check: lint
+	$(BIN)/python -m pytest $(XDIST) -q -m "not real_model and not server and not slow" --durations=10 tests
+
+# Mutation testing of the core with mutmut (issue 30), in a private copy of HEAD: by default only the functions
+# changed since the run recorded in results/mutation.json (or BASE=<ref>); FULL=1 mutates every function (hours on
+# 2 cores, docs/testing.md); AREA=memory (paged, attention, quant, session, memory, engine, tiering) narrows it.
+mutation: setup
+	$(BIN)/python scripts/mutation.py $(if $(FULL),--full) $(if $(BASE),--base $(BASE)) $(foreach a,$(AREA),--area $(a))
 
 test: lint unit notebooks
 

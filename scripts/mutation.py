@@ -1,0 +1,276 @@
+"""`make mutation`: mutation testing of the core with mutmut 3, incremental by default (issue 30 item 1).
+
+Each area (a group of modules and the test files that cover them) runs in a private copy of the committed tree
+(``git archive HEAD``) under ``--workdir``: mutmut copies it into ``mutants/`` and never touches the checkout.
+
+* Incremental (default): only the functions whose lines changed between ``--base`` and HEAD (``git diff -U0``) are
+  mutated and tested; their results replace those functions' earlier ones in ``results/mutation.json``. The default
+  base is the commit the last run recorded there (``HEAD~1`` when there is none).
+* ``--full``: every function of every listed module (see docs/testing.md for its time).
+* ``--area``/``--function``: narrow a run (several allowed); ``--list``: print what would run, run nothing.
+
+``results/mutation.json`` keeps, per module and per function, the counts of killed / survived / no-tests / timeout
+mutants and each survivor's one-line diff; ``equivalent`` lists mutants proven equivalent, one line each with why
+(matched by function and diff, so renumbering does not lose them). A module's score is
+``(killed + timeout) / (mutants - equivalent - not checked)``; "no tests" counts as survived.
+
+Usage: ``python scripts/mutation.py [--full] [--base REF] [--area NAME ...] [--max-children N]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import fnmatch
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results" / "mutation.json"
+
+# area -> (module globs, test file globs). Globs, so a module split into several files stays covered.
+AREAS: dict[str, tuple[list[str], list[str]]] = {
+    "paged": (
+        ["memos_ref/paged/*.py"],
+        ["tests/test_paged_*.py", "tests/test_block_pool_events.py", "tests/test_pool_*.py",
+         "tests/test_regress_paged_quant.py", "tests/test_gather_pool_size.py", "tests/test_dedup.py",
+         "tests/test_mutation_paged.py"],
+    ),
+    "attention": (
+        ["memos_ref/attention.py", "memos_ref/attention/*.py"],
+        ["tests/test_attention*.py", "tests/test_mutation_attention.py"],
+    ),
+    "quant": (
+        ["memos_ref/quant/*.py"],
+        ["tests/test_quant.py", "tests/test_regress_paged_quant.py", "tests/test_mutation_quant.py"],
+    ),
+    "session": (
+        ["memos_ref/session/persist.py"],
+        ["tests/test_session.py", "tests/test_regress_engine_session.py", "tests/test_mutation_session.py"],
+    ),
+    "memory": (
+        ["memos_ref/memory/store.py"],
+        ["tests/test_memory_store.py", "tests/test_mutation_memory.py"],
+    ),
+    "engine": (
+        ["memos_ref/engine.py", "memos_ref/engine/*.py"],
+        ["tests/test_engine.py", "tests/test_regress_engine_session.py", "tests/test_mutation_engine.py"],
+    ),
+    "tiering": (
+        ["memos_ref/tiering/*codec*.py", "memos_ref/tiering/*backend*.py", "memos_ref/tiering/backends/*.py"],
+        ["tests/test_tiering_storage.py", "tests/test_regress_tiers.py", "tests/test_mutation_tiering.py"],
+    ),
+}  # fmt: skip
+
+STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no_tests", 33: "no_tests", 34: "skipped", 36: "timeout"}
+STATUS.update({-24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", None: "not_checked"})
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+
+
+def head_files(globs: list[str]) -> list[str]:
+    """The committed files matching ``globs`` (``__init__.py`` left out: it only re-exports)."""
+    files = git("ls-tree", "-r", "--name-only", "HEAD").splitlines()
+    return sorted(f for f in files if any(fnmatch.fnmatch(f, g) for g in globs) and not f.endswith("__init__.py"))
+
+
+def mangled_functions(source: str) -> dict[str, tuple[int, int]]:
+    """mutmut's names for the functions it mutates (top-level ``x_f``, methods ``xǁClassǁm``) -> (first, last)."""
+    out: dict[str, tuple[int, int]] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            out[f"x_{node.name}"] = (first, node.end_lineno or node.lineno)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    first = min([item.lineno] + [d.lineno for d in item.decorator_list])
+                    out[f"xǁ{node.name}ǁ{item.name}"] = (first, item.end_lineno or item.lineno)
+    return out
+
+
+def changed_lines(base: str, path: str) -> set[int]:
+    """Lines of HEAD's ``path`` added or changed since ``base`` (all lines when the file is new)."""
+    try:
+        git("cat-file", "-e", f"{base}:{path}")
+    except subprocess.CalledProcessError:
+        return set(range(1, 1 + len(git("show", f"HEAD:{path}").splitlines())))
+    lines: set[int] = set()
+    for m in re.finditer(r"^@@ -\S+ \+(\d+)(?:,(\d+))? @@", git("diff", "-U0", base, "HEAD", "--", path), re.M):
+        start, count = int(m.group(1)), int(m.group(2) or 1)
+        lines.update(range(start, start + max(count, 1)))  # a pure deletion marks the line after it
+    return lines
+
+
+def module_name(path: str) -> str:
+    return path.removesuffix(".py").replace("/", ".")
+
+
+def prepare_tree(tree: Path, modules: list[str], tests: list[str], max_children: int) -> None:
+    """A fresh copy of HEAD with mutmut's config for one area."""
+    if tree.exists():
+        shutil.rmtree(tree)
+    tree.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    # the installed names of the renamed package folders, so mutants/ imports them from this copy too
+    (tree / "memos_kernels").symlink_to("kernels")
+    (tree / "memos_edge").symlink_to("edge")
+    config = {
+        "source_paths": ["memos_ref"],
+        "only_mutate": modules,
+        "also_copy": ["memos_kernels", "memos_edge"],
+        "pytest_add_cli_args_test_selection": tests,
+        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--timeout=600"],
+    }
+    lines = ["", "[tool.mutmut]"] + [f"{k} = {json.dumps(v)}" for k, v in config.items()]
+    with open(tree / "pyproject.toml", "a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def function_variants(mutated: str) -> dict[str, str]:
+    """In mutmut's trampolined file: each ``<mangled>__mutmut_<n>`` / ``__mutmut_orig`` function's source."""
+    out: dict[str, str] = {}
+    tree = ast.parse(mutated)
+    lines = mutated.splitlines()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and "__mutmut_" in node.name:
+            out[node.name] = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+    return out
+
+
+def one_line_diff(orig: str, mutant: str) -> str:
+    """The changed lines of a mutant, ``-old / +new``, stripped and joined on one line."""
+    changed = [
+        d[0] + d[1:].strip()
+        for d in difflib.unified_diff(orig.splitlines()[1:], mutant.splitlines()[1:], lineterm="", n=0)
+        if d[:1] in "+-" and not d.startswith(("+++", "---"))
+    ]
+    return " | ".join(changed)[:400]
+
+
+def collect(tree: Path, module: str, wanted: set[str]) -> dict[str, dict]:
+    """Per function in ``wanted``: status counts and survivors (with their diffs) from mutmut's meta file."""
+    meta_path = tree / "mutants" / f"{module}.meta"
+    if not meta_path.exists():
+        return {}
+    meta = json.loads(meta_path.read_text())
+    variants = function_variants((tree / "mutants" / module).read_text())
+    prefix = module_name(module) + "."
+    out: dict[str, dict] = {}
+    for key, code in meta["exit_code_by_key"].items():
+        mangled, _, _n = key.removeprefix(prefix).rpartition("__mutmut_")
+        if mangled not in wanted:
+            continue
+        fn = out.setdefault(mangled, {"mutants": 0, "survivors": []})
+        status = STATUS.get(code, "suspicious")
+        fn["mutants"] += 1
+        fn[status] = fn.get(status, 0) + 1
+        if status in ("survived", "no_tests", "suspicious"):
+            local = key.removeprefix(prefix)
+            diff = one_line_diff(variants.get(f"{mangled}__mutmut_orig", ""), variants.get(local, ""))
+            fn["survivors"].append({"mutant": local, "status": status, "diff": diff})
+    return out
+
+
+def module_totals(functions: dict[str, dict], equivalent: list[dict], module: str) -> dict:
+    tot = {k: 0 for k in ("mutants", "killed", "survived", "no_tests", "timeout", "not_checked", "equivalent")}
+    equiv = {(e["module"], e["function"], e["diff"]) for e in equivalent}
+    for name, fn in functions.items():
+        for k in tot:
+            tot[k] += fn.get(k, 0)
+        for s in fn["survivors"]:
+            if (module, name, s["diff"]) in equiv:
+                tot["equivalent"] += 1
+                tot[s["status"] if s["status"] in tot else "survived"] -= 1
+    judged = tot["mutants"] - tot["equivalent"] - tot["not_checked"]
+    tot["score"] = round((tot["killed"] + tot["timeout"]) / judged, 4) if judged else None
+    return tot
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--full", action="store_true", help="every function of the listed modules, not only changed ones")
+    ap.add_argument("--base", help="git ref to diff against (default: the commit of the last recorded run)")
+    ap.add_argument("--area", action="append", choices=sorted(AREAS), help="only these areas")
+    ap.add_argument("--function", action="append", help="only functions whose mutmut name matches this glob")
+    ap.add_argument("--workdir", type=Path, default=Path(os.environ.get("MUTATION_WORKDIR", "/tmp/memos-mutation")))
+    ap.add_argument("--max-children", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--list", action="store_true", help="print the functions that would be mutated, run nothing")
+    args = ap.parse_args(argv)
+
+    record = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    head = git("rev-parse", "HEAD").strip()
+    base = args.base or record.get("commit") or "HEAD~1"
+    record.setdefault("equivalent", [])
+    record.setdefault("modules", {})
+    record.setdefault("runs", [])
+    for area in args.area or sorted(AREAS):
+        module_globs, test_globs = AREAS[area]
+        modules = head_files(module_globs)
+        tests = head_files(test_globs)
+        targets: dict[str, set[str]] = {}
+        for module in modules:
+            functions = mangled_functions(git("show", f"HEAD:{module}"))
+            if not args.full:
+                lines = changed_lines(base, module)
+                functions = {n: s for n, s in functions.items() if any(s[0] <= i <= s[1] for i in lines)}
+            if args.function:
+                functions = {n: s for n, s in functions.items() if any(fnmatch.fnmatch(n, g) for g in args.function)}
+            if functions:
+                targets[module] = set(functions)
+        print(f"== {area}: {sum(map(len, targets.values()))} functions in {len(targets)} modules; tests: {tests}")
+        for module, names in targets.items():
+            print(f"   {module}: {', '.join(sorted(names))}")
+        if args.list or not targets:
+            continue
+        tree = args.workdir / area
+        prepare_tree(tree, sorted(targets), tests, args.max_children)
+        patterns = [f"{module_name(m)}.{n}__mutmut_*" for m, names in targets.items() for n in sorted(names)]
+        start = time.monotonic()
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        mutmut = Path(sys.executable).with_name("mutmut")
+        log = tree / "mutmut.log"
+        with open(log, "w") as f:
+            done = subprocess.run(
+                [str(mutmut), "run", "--max-children", str(args.max_children), *patterns],
+                cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        seconds = round(time.monotonic() - start, 1)
+        if done.returncode != 0:
+            print(f"   mutmut exited with {done.returncode}; see {log}")
+        run_summary = {"area": area, "commit": head, "base": None if args.full else base, "seconds": seconds}
+        run_summary["functions"] = sum(map(len, targets.values()))
+        for module, names in targets.items():
+            got = collect(tree, module, names)
+            entry = record["modules"].setdefault(module, {"functions": {}})
+            present = set(mangled_functions(git("show", f"HEAD:{module}")))
+            entry["functions"] = {n: v for n, v in entry["functions"].items() if n in present}  # gone: dropped
+            entry["functions"].update(got)
+            entry["totals"] = module_totals(entry["functions"], record["equivalent"], module)
+            entry["commit"] = head
+            t = module_totals(got, record["equivalent"], module)
+            run_summary.setdefault("modules", {})[module] = {k: t[k] for k in ("mutants", "killed", "survived")}
+            print(f"   {module}: {entry['totals']}")
+        record["runs"].append(run_summary)
+        print(f"   {area}: {seconds} s")
+    if not args.list:
+        record["commit"] = head
+        from importlib.metadata import version
+
+        record["tool"] = f"mutmut {version('mutmut')}"
+        RESULTS.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
