@@ -15,7 +15,7 @@ STAMP  := $(VENV)/.memos-ref-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup git-filter model redis browser lab test lint unit notebooks check mutation demo bench readme claims book gpu-check coverage peers clean
+.PHONY: setup git-filter model redis cluster browser lab test lint unit notebooks check mutation demo bench readme claims book gpu-check coverage peers clean
 
 setup: $(STAMP) git-filter model
 
@@ -53,6 +53,11 @@ redis:
 		|| { $$SUDO apt-get update >/dev/null 2>&1 && $$SUDO apt-get install -y redis-server >/dev/null; } \
 		|| { if [ -n "$$CI" ]; then echo "error: could not install redis-server (apt-get install -y redis-server)"; exit 1; \
 		     else echo "warning: redis-server is missing; the Redis tests will be skipped"; fi; }; }
+
+# A private Redis Cluster (3 masters + 3 replicas on free loopback ports, nothing persisted) until Ctrl-C: the
+# cluster tier's playground (memos_ref.tiering.cluster_server; the tests and `bench cluster` start their own).
+cluster: $(STAMP) redis
+	$(BIN)/python -m memos_ref.tiering.cluster_server
 
 # The book's test opens pages in headless Chromium (Debian's package; root or passwordless sudo). In CI a missing
 # browser is an error; elsewhere that one test skips with a reason.

@@ -15,6 +15,7 @@ __all__ = ["BENCHMARKS", "get"]
 BENCHMARKS: dict[str, str] = {
     "agent": "memos_ref.bench.agent",
     "allocator": "memos_ref.bench.allocator",
+    "cluster": "memos_ref.bench.cluster",
     "decode": "memos_ref.bench.decode",
     "decode-targets": "memos_ref.bench.decode_targets",
     "growth": "memos_ref.bench.growth",
