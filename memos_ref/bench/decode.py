@@ -30,22 +30,28 @@ over rounds) is the whole step's excess over that bare forward: the engine's per
 
 from __future__ import annotations
 
-import functools
 import statistics
-import tempfile
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from memos_ref.bench.common import envelope, format_table, ratio_stats, time_interleaved_ms
-from memos_ref.caches import ConcatCache, ContiguousCache
-from memos_ref.model import load_hf_model, load_model
-from memos_ref.model.corpus import heldout_text
-from memos_ref.model.tokenizer import ByteTokenizer
+from memos_ref.bench.decode_models import (
+    CLASSIC_MODELS,
+    METHODS,
+    POOL_SCALE,
+    SMOLLM2,
+    SMOLLM2_GEOMETRY,
+    WIDE_CONFIG,
+    Method,
+    contexts,
+    kv_bytes,
+    load_models,
+    prompt_ids,
+    random_init,
+)
+from memos_ref.bench.engine_overhead import engine_overhead
 
 __all__ = [
     "METHODS",
@@ -58,155 +64,6 @@ __all__ = [
     "result_at",
     "run",
 ]
-
-#: The random-init model whose KV is large enough to matter: 32 KiB per token in fp32.
-WIDE_CONFIG = dict(
-    hidden_size=512,
-    intermediate_size=1024,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    head_dim=64,
-)
-
-#: SmolLM2-135M's attention geometry (its KV: 30 × 2 × 3 × 64 values per token, 23,040 bytes in fp16), for the
-#: random-init stand-in; its MLP and vocabulary are shrunk (they do not touch the cache).
-SMOLLM2_GEOMETRY = dict(
-    hidden_size=576,
-    intermediate_size=256,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-)
-SMOLLM2 = "smollm2-135m-instruct"
-
-#: The larger pool of the ``*_pool16x`` methods, in multiples of the blocks the run needs.
-POOL_SCALE = 16
-
-#: The two models whose ratios fill the summary's original per-model fields (the real-geometry model's are in
-#: ``summary.ratios`` and ``summary.smollm2``).
-CLASSIC_MODELS = ("shipped", "wide")
-
-
-@dataclass(frozen=True)
-class Method:
-    name: str
-    forward: str  # "package" or "transformers"
-    cache: Callable[[Any, int, dict[str, Any]], Any] | None  # (hf_config, max_len, shared) -> cache; None: recompute
-
-
-def _paged(cfg: Any, max_len: int, shared: dict[str, Any], *, scale: int = 1, dense_mirror: bool = False) -> Any:
-    """A PagedCache in a pool of ``scale`` × the blocks ``max_len`` tokens need (the large pools of one model and
-    context are one pool, shared by the forwards' caches)."""
-    from memos_ref.hf import PagedCache
-    from memos_ref.paged import PagedKV
-    from memos_ref.spec import KVSpec
-
-    spec = KVSpec.from_hf_config(cfg, dtype="float32", block_size=16)
-    blocks = (spec.blocks_for(max_len) + 1) * scale
-    if scale == 1:
-        kv = PagedKV(spec, blocks)
-    else:
-        kv = shared.get("big_pool")
-        if kv is None:
-            kv = shared["big_pool"] = PagedKV(spec, blocks)
-    return PagedCache(kv, dense_mirror=dense_mirror)
-
-
-def _static(cfg: Any, max_len: int, shared: dict[str, Any]) -> Any:
-    from transformers import StaticCache
-
-    return StaticCache(config=cfg, max_cache_len=max_len)
-
-
-def _dynamic(cfg: Any, max_len: int, shared: dict[str, Any]) -> Any:
-    from transformers import DynamicCache
-
-    return DynamicCache(config=cfg)
-
-
-METHODS: tuple[Method, ...] = (
-    Method("no_cache", "package", None),
-    Method("concat", "package", lambda cfg, n, shared: ConcatCache()),
-    Method("contiguous", "package", lambda cfg, n, shared: ContiguousCache(capacity=n)),
-    Method("contiguous_shd", "package", lambda cfg, n, shared: ContiguousCache(capacity=n, layout="SHD")),
-    Method("paged", "package", _paged),
-    Method("paged_pool16x", "package", functools.partial(_paged, scale=POOL_SCALE)),
-    Method("paged_mirror", "package", functools.partial(_paged, dense_mirror=True)),
-    Method("concat", "transformers", lambda cfg, n, shared: ConcatCache()),
-    Method("contiguous", "transformers", lambda cfg, n, shared: ContiguousCache(capacity=n)),
-    Method("paged", "transformers", _paged),
-    Method("paged_pool16x", "transformers", functools.partial(_paged, scale=POOL_SCALE)),
-    Method("paged_mirror", "transformers", functools.partial(_paged, dense_mirror=True)),
-    Method("dynamic", "transformers", _dynamic),
-    Method("static", "transformers", _static),
-)
-
-
-def _kv_bytes(cache: Any) -> int:
-    if cache is None:
-        return 0
-    if hasattr(cache, "nbytes_reserved"):
-        return cache.nbytes_reserved()
-    if hasattr(cache, "kv"):  # PagedCache: the blocks its rows hold
-        return sum(seq.num_blocks for seq in cache.sequences) * cache.kv.spec.bytes_per_block
-    return sum(
-        layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if getattr(layer, "keys", None) is not None
-    )
-
-
-def random_init(config: dict[str, Any], vocab_size: int) -> tuple[Any, Any]:
-    """(package forward, transformers model) of a seeded random-init Llama, on the same weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=8192, **config)
-    with tempfile.TemporaryDirectory() as folder:
-        LlamaForCausalLM(cfg).save_pretrained(folder)
-        return load_model(folder), load_hf_model(folder)
-
-
-def _smollm2(quick: bool) -> tuple[tuple[Any, Any], str]:
-    """SmolLM2-135M-Instruct's weights when converted on this machine (full runs), else a random-init model of
-    its KV geometry; returns the models and a sentence saying which."""
-    if not quick:
-        try:
-            from memos_ref.model import load_pretrained, pretrained_path
-
-            path = pretrained_path(SMOLLM2, download=False)
-            _tok, hf = load_pretrained(SMOLLM2, download=False)
-            return (load_model(path), hf), f"pretrained weights ({path})"
-        except Exception as exc:  # any reason the weights are not here: fall back, and say why
-            reason = f"{type(exc).__name__}: {str(exc)[:200]}"
-            return random_init(SMOLLM2_GEOMETRY, 256), f"random init of SmolLM2-135M's KV geometry ({reason})"
-    return random_init(SMOLLM2_GEOMETRY, 256), "random init of SmolLM2-135M's KV geometry (--quick)"
-
-
-def _models(quick: bool) -> tuple[dict[str, tuple[Any, Any]], dict[str, str]]:
-    """name -> (package forward, transformers model), both on the same weights; and name -> their source."""
-    tok = ByteTokenizer()
-    models = {"shipped": (load_model(), load_hf_model()), "wide": random_init(WIDE_CONFIG, tok.vocab_size)}
-    sources = {"shipped": "the shipped weights", "wide": "random init"}
-    models[SMOLLM2], sources[SMOLLM2] = _smollm2(quick)
-    return models, sources
-
-
-def _contexts(model: str, quick: bool) -> tuple[int, ...]:
-    if quick:
-        return (32,) if model == SMOLLM2 else (32, 128)
-    return (256, 1024) if model == SMOLLM2 else (256, 1024, 4096)
-
-
-def _prompt(name: str, length: int, vocab: int) -> torch.Tensor:
-    if name == "shipped":
-        tok = ByteTokenizer()
-        ids = tok.encode(heldout_text()[: length * 2], add_bos=True)[:length]
-    else:
-        ids = torch.randint(0, min(vocab, 256), (length,), generator=torch.Generator().manual_seed(length)).tolist()
-    return torch.tensor([ids], dtype=torch.long)  # [1, length]
 
 
 class _Contender:
@@ -255,7 +112,7 @@ def measure_group(
     methods = [m for m in METHODS if m.forward == forward and (only is None or m.name in only)]
     if model_name == SMOLLM2:  # recomputing a 30-layer model's whole context per token says nothing new
         methods = [m for m in methods if m.cache is not None]
-    prompt = _prompt(model_name, ctx, hf.config.vocab_size)
+    prompt = prompt_ids(model_name, ctx, hf.config.vocab_size)
     max_len = ctx + warmup + steps + 1
     shared: dict[str, Any] = {}
     contenders = {m.name: _Contender(m, ours, hf, prompt, max_len, shared) for m in methods}
@@ -272,7 +129,7 @@ def measure_group(
             "ms_min": min(s),
             "ms_max": max(s),
             "samples_ms": [round(x, 4) for x in s],
-            "kv_bytes": _kv_bytes(c.cache),
+            "kv_bytes": kv_bytes(c.cache),
             "model": model_name,
         }
         if hasattr(c.cache, "kv"):
@@ -281,86 +138,6 @@ def measure_group(
         rows.append(row)
         c.close()
     return rows
-
-
-class _TimedModel:
-    """The package forward, timing each call (the engine's forward inside its step)."""
-
-    def __init__(self, model: Any) -> None:
-        self.model, self.config, self.calls_ms = model, model.config, []
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        out = self.model(*args, **kwargs)
-        self.calls_ms.append((time.perf_counter() - started) * 1e3)
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
-
-
-def engine_overhead(model: Any, rows: int, context: int, warmup: int, steps: int) -> dict[str, Any]:
-    """µs per row per step of ``Engine.step`` (decode only: every row admitted and prefilled first), of the
-    forward inside it, of what lies outside that forward, and of the forward's excess over the same batch
-    through a ContiguousCache — timed side by side."""
-    from memos_ref.engine import Engine, Request
-    from memos_ref.paged import PagedKV
-
-    spec = model.kv_spec(block_size=16)
-    length = context + warmup + steps + 2 * rows + 4
-    kv = PagedKV(spec, rows * (spec.blocks_for(length) + 1))
-    timed = _TimedModel(model)
-    engine = Engine(timed, kv, max_batch=rows)
-    gen = torch.Generator().manual_seed(rows)
-    prompts = torch.randint(1, 256, (rows, context), generator=gen)
-    for prompt in prompts.tolist():
-        engine.submit(Request(prompt, max_new_tokens=warmup + steps + rows + 2))
-    with torch.inference_mode():
-        for _ in range(rows + 1):  # admission and prefill of every row (however many per step), untimed
-            engine.step()
-            if len(engine.running) == rows and not engine.waiting:
-                break
-    cache = ContiguousCache(capacity=length)
-    with torch.inference_mode():
-        model(prompts, cache)
-    last = prompts[:, -1:]
-    forward_ms: list[float] = []
-
-    def engine_step() -> None:
-        before = len(timed.calls_ms)
-        engine.step()
-        forward_ms.append(sum(timed.calls_ms[before:]))
-
-    def contiguous_step() -> None:
-        with torch.inference_mode():
-            model(last, cache)
-
-    samples = time_interleaved_ms({"engine": engine_step, "contiguous": contiguous_step}, steps, warmup=warmup)
-    forward_ms = forward_ms[warmup:]
-    per = 1e3 / rows  # ms per step -> µs per row
-
-    def med(xs: list[float]) -> float:
-        return round(statistics.median(xs) * per, 1)
-
-    outside = [a - b for a, b in zip(samples["engine"], forward_ms)]
-    excess = [a - b for a, b in zip(forward_ms, samples["contiguous"])]
-    overhead = [a - b for a, b in zip(samples["engine"], samples["contiguous"])]
-    for _request, seq in list(engine.running):
-        seq.free()
-    return {
-        "rows": rows,
-        "context": context,
-        "timed_steps": steps,
-        "model": "shipped",
-        "step_us_per_row_step": med(samples["engine"]),
-        "forward_us_per_row_step": med(forward_ms),
-        "outside_forward_us_per_row_step": med(outside),
-        "contiguous_forward_us_per_row_step": med(samples["contiguous"]),
-        "paged_forward_excess_us_per_row_step": med(excess),
-        "overhead_us_per_row_step": med(overhead),
-        "overhead_us_per_row_step_min": round(min(overhead) * per, 1),
-        "overhead_us_per_row_step_max": round(max(overhead) * per, 1),
-    }
 
 
 def result_at(results: list[dict[str, Any]], model: str, name: str, forward: str, ctx: int) -> dict[str, Any] | None:
@@ -462,9 +239,9 @@ def _summary(results: list[dict[str, Any]], models: dict[str, tuple[Any, Any]], 
 def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
     """Run the benchmark; return the JSON envelope."""
     warmup, steps, nocache_steps = (1, 3, 2) if quick else (2, 9, 3)
-    models, sources = _models(quick)
+    models, sources = load_models(quick)
     results: list[dict[str, Any]] = []
-    jobs = [(m, c, fwd) for m in models for c in _contexts(m, quick) for fwd in ("package", "transformers")]
+    jobs = [(m, c, fwd) for m in models for c in contexts(m, quick) for fwd in ("package", "transformers")]
     for model_name, ctx, forward in tqdm(jobs, desc="bench decode", disable=not progress):
         ours, hf = models[model_name]
         results.extend(measure_group(model_name, ours, hf, ctx, forward, warmup, steps, nocache_steps))
@@ -472,8 +249,8 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
     engine_rows, engine_ctx = (4, 32) if quick else (8, 256)
     summary["engine"] = engine_overhead(models["shipped"][0], engine_rows, engine_ctx, warmup, steps)
     config = {
-        "contexts": list(_contexts("wide", quick)),
-        "contexts_by_model": {m: list(_contexts(m, quick)) for m in models},
+        "contexts": list(contexts("wide", quick)),
+        "contexts_by_model": {m: list(contexts(m, quick)) for m in models},
         "warmup_steps": warmup,
         "timed_steps": steps,
         "timed_steps_no_cache": nocache_steps,
