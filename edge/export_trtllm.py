@@ -16,9 +16,9 @@ relative to transformers (``mlp.fc`` ← ``gate_proj``, the one that goes throug
 transformers' logits: a wrong mapping cannot pass.
 
 ``--kv-int8`` sets ``kv_cache_quant_algo = INT8`` and writes each layer's ``attention.kv_cache_scaling_factor``
-(absmax of that layer's K and V over calibration text / 127, measured with the package's forward). INT8 or INT4
-*weight-only* checkpoints need TensorRT-LLM's own kernel-specific weight preprocessing; build them on the
-device with ``convert_checkpoint.py --use_weight_only`` (edge/README.md).
+(absmax of that layer's K and V / 127 over the held-out prose through the model's own tokenizer:
+:mod:`memos_edge.calibrate`). INT8 or INT4 *weight-only* checkpoints need TensorRT-LLM's own kernel-specific
+weight preprocessing; build them on the device with ``convert_checkpoint.py --use_weight_only`` (edge/README.md).
 
 Tied embeddings (SmolLM2, ``tie_word_embeddings: true``): the checkpoint gets an explicit ``lm_head.weight`` (a
 copy of the embedding) and ``share_embedding_table: false``, the layout every TensorRT-LLM version loads
@@ -355,15 +355,11 @@ def export_tokenizer(model_dir: str | Path, out_dir: str | Path, *, max_length: 
 
 
 def _kv_scales(model_dir: Path, ids: torch.Tensor | None) -> list[float]:
-    """Per-layer INT8 KV scale: max(|K|, |V|) over calibration text / 127 (TensorRT-LLM's per-layer scale)."""
-    from memos_ref.bench.accuracy import calibrate_layer_scales
-    from memos_ref.model import load_model, shipped_model_dir
+    """Per-layer INT8 KV scale: max(|K|, |V|) / 127 over the held-out prose through the model's own tokenizer
+    (:mod:`memos_edge.calibrate`, which also compares it with TensorRT-LLM's rule)."""
+    from memos_edge.calibrate import calibration_ids, our_kv_scales
 
-    model = load_model(model_dir)
-    if ids is None:
-        text = (shipped_model_dir().parent / "data" / "heldout_stdlib.txt").read_bytes()[:1024]
-        ids = torch.tensor([[b % model.config.vocab_size for b in text]])
-    scales = calibrate_layer_scales(model, ids)  # [L, 2]: absmax / 127 of K and of V
+    scales = our_kv_scales(model_dir, calibration_ids(model_dir) if ids is None else ids)  # [L, 2]
     return [float(s.max()) for s in scales]
 
 

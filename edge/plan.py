@@ -9,13 +9,19 @@ The accounting, all in bytes (GiB = 2³⁰):
   0.5 + an fp16 scale per group of 128 (GPTQ/AWQ) — with the token embedding kept in fp16 (TensorRT-LLM's
   weight-only modes quantize the linear layers); a model with tied embeddings (SmolLM2) also carries an fp16
   ``lm_head`` copy of the embedding, as TensorRT-LLM's converter and this package's export write one;
-* **free** = module memory − the OS and CUDA context (``os_reserve_gib``, default 2.0: Orin's memory is shared
-  with the CPU) − weights − the runtime (``runtime_gib``, default 1.5: engine, activations, workspace);
-* **KV budget** = ``kv_fraction`` × free (0.9: TensorRT-LLM's ``kv_cache_free_gpu_memory_fraction`` default);
-* **tokens_per_block** T: seed 001 §6.2 wants ~1 MiB blocks for Orin's 2–4 MiB L2. Read as the per-layer K+V
-  slab of one block, ``2·H·T·D·bytes``, contiguous in the pool layout ``[blocks, L, 2, H, T, D]``: T = 1 MiB /
-  (2·H·D·bytes), rounded down to a power of two and clamped to the XQA kernel's 8–128. Llama-2-7B in fp16
-  gives exactly 64; GQA models hit the 128 clamp and get smaller slabs — the granularity is reported;
+* **free** = ``MemTotal`` − the named terms of :mod:`memos_edge.memory` (OS and desktop, CUDA context, the
+  engine's activations for its ``max_num_tokens`` and ``max_batch``, the weights, the engine file's page cache,
+  and without mmap the host copy), each with its source; ``memory_model="nominal"`` is the accounting before
+  issue 28 (nominal memory − 2 GiB OS − 1.5 GiB runtime − weights), kept to show what changed;
+* **KV budget** = ``kv_fraction`` × free (0.9: TensorRT-LLM's ``kv_cache_free_gpu_memory_fraction`` default).
+  Calibrated against NVIDIA's Llama-3-8B INT4 run on AGX Orin 64GB: :func:`calibration_table`;
+* **tokens_per_block** T: seed 001 §6.2 wants ~1 MiB blocks for Orin's 2–4 MiB L2. The quantity meant is the
+  **per-layer K+V slab** of one block, ``2·H·T·D·bytes``: contiguous in the pool layout ``[blocks, L, 2, H, T,
+  D]``, it is what one layer's attention reads of one block, the working set that has to sit in L2. The
+  **all-layer block** (``L`` slabs, TensorRT-LLM's allocation unit) is reported beside it: it is L times larger
+  and cannot be L2-sized for any real T. T is the largest power of two whose slab is ≤ 1 MiB, kept in XQA's
+  16–128; Llama-2-7B in fp16 gives exactly 64 (1 MiB). GQA models would need 256 or more: 1 MiB is then not
+  reachable under XQA's 128-token cap, and the plan says so (:func:`tokens_per_block_for`);
 * **blocks** = ⌊KV budget / (L × slab)⌋; the largest context × batch that fits follows;
 * **decode bound**: one decode step reads every weight once and every cached K/V of every sequence once, so
   tokens/s ≤ batch × bandwidth / (weights + batch × context × KV bytes per token).
@@ -26,18 +32,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from memos_edge.devices import MODELS, PROFILES, OrinProfile, get_profile, model_config
+from memos_edge.memory import TRTLLM_BUILD_DEFAULTS, Term, memory_terms, memtotal_from_meminfo
 
 from memos_ref.errors import ConfigError
 from memos_ref.spec import KVSpec
 
 __all__ = [
+    "NVIDIA_AGX_LLAMA3_8B",
     "Plan",
+    "calibration_table",
     "count_parameters",
     "main",
+    "nvidia_implied_kv_tokens",
     "plan",
     "tokens_per_block_for",
     "weight_bytes",
@@ -114,7 +124,9 @@ def weights_read_per_token(cfg: dict[str, Any], weights: str) -> int:
 
 
 def tokens_per_block_for(spec: KVSpec, target_bytes: int = MIB) -> tuple[int, str]:
-    """T for a per-layer K+V slab of about ``target_bytes``: a power of two kept in 16-128, and what it gives.
+    """T for a per-layer K+V slab (``2·H·T·D·bytes``) of at most ``target_bytes``: the largest such power of two,
+    kept in 16-128, and a sentence saying what it gives — the slab, the all-layer block, and whether the target
+    is reached or why not (the 128-token cap, or the 16-token floor).
 
     TensorRT-LLM accepts any power of two as ``tokens_per_block``; its XQA decode kernels are JIT-compiled for
     16-128 tokens per block and precompiled for 64 and 128, so the planner stays in 16-128."""
@@ -123,11 +135,20 @@ def tokens_per_block_for(spec: KVSpec, target_bytes: int = MIB) -> tuple[int, st
     t = 1 << max(0, math.floor(math.log2(raw))) if raw >= 1 else 1
     clamped = min(128, max(16, t))
     slab = per_token_layer * clamped
+    block = slab * spec.num_layers
     xqa = "precompiled XQA kernels" if clamped in (64, 128) else "XQA JIT-compiled (16-128)"
-    if clamped != t:
-        why = f"clamped from {t} to XQA's 16-128: per-layer slab {slab / MIB:.3f} MiB; {xqa}"
+    sizes = f"per-layer slab {slab / MIB:.3f} MiB, all-layer block {block / MIB:.2f} MiB; {xqa}"
+    if clamped < t:
+        gqa = f"{spec.num_kv_heads} KV heads" + (" (GQA)" if spec.num_kv_heads < 32 else "")
+        why = (
+            f"1 MiB slab not reachable: it needs T = {t} (> XQA's 128-token cap; {gqa} make a token's slab "
+            f"{per_token_layer} B); clamped to 128: {sizes}"
+        )
+    elif clamped > t:
+        why = f"slab over 1 MiB: T = {t} is below XQA's 16-token floor; raised to 16: {sizes}"
     else:
-        why = f"per-layer K+V slab {slab / MIB:.3f} MiB; {xqa}"
+        exact = "exactly 1 MiB" if slab == target_bytes else f"{slab / target_bytes:.2f} of 1 MiB"
+        why = f"slab {exact} at T = {clamped}: {sizes}"
     return clamped, why
 
 
@@ -140,15 +161,15 @@ class Plan:
     parameters: int
     weight_bytes: int
     os_reserve_bytes: int
-    runtime_bytes: int
+    runtime_bytes: int  # CUDA context + activations (or the given --runtime-gib)
     free_bytes: int
     kv_budget_bytes: int
     tokens_per_block: int
     granularity: str
     kv_bytes_per_token: int  # all layers, K and V: L·2·H·D·bytes
     kernel_page_bytes: int  # one K (or V) page of one layer and head group: H·T·D·bytes
-    layer_slab_bytes: int  # K+V of one layer: 2·H·T·D·bytes
-    block_bytes: int  # all layers: L·slab
+    layer_slab_bytes: int  # K+V of one layer: 2·H·T·D·bytes — the quantity sized to ~1 MiB
+    block_bytes: int  # all layers: L·slab — TensorRT-LLM's allocation unit
     blocks: int
     kv_tokens: int
     max_context_by_batch: dict[int, int]
@@ -159,9 +180,18 @@ class Plan:
     weights_read_per_token: int = 0  # linear layers + lm_head + norms + one embedding row
     feasible: bool = True
     why_infeasible: str = ""
+    memory_model: str = "calibrated"
+    memtotal_bytes: int = 0
+    memory_terms: list[dict[str, Any]] = field(default_factory=list)  # name, bytes, source (memos_edge.memory)
+    slab_target_reached: bool = True  # the per-layer slab is within a factor 2 below 1 MiB
+    max_batch: int = TRTLLM_BUILD_DEFAULTS["max_batch_size"]
+    max_num_tokens: int = TRTLLM_BUILD_DEFAULTS["max_num_tokens"]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+MEMORY_MODELS = ("calibrated", "nominal")
 
 
 def plan(
@@ -170,13 +200,19 @@ def plan(
     *,
     kv_dtype: str = "fp16",
     weights: str = "int4",
-    os_reserve_gib: float = 2.0,
-    runtime_gib: float = 1.5,
+    os_reserve_gib: float | None = None,
+    runtime_gib: float | None = None,
     kv_fraction: float = 0.9,
     batches: tuple[int, ...] = (1, 2, 4, 8),
     use_mmap: bool = True,
+    max_batch: int = TRTLLM_BUILD_DEFAULTS["max_batch_size"],
+    max_num_tokens: int = TRTLLM_BUILD_DEFAULTS["max_num_tokens"],
+    memory_model: str = "calibrated",
+    memtotal_bytes: int | None = None,
 ) -> Plan:
-    """Plan one model on one Orin module (see the module docstring for the accounting)."""
+    """Plan one model on one Orin module (see the module docstring for the accounting). ``max_batch`` and
+    ``max_num_tokens`` are the engine's build shapes (they size the activations); ``memtotal_bytes`` is the
+    device's own ``MemTotal`` when known (:func:`memos_edge.memory.memtotal_from_meminfo`)."""
     profile = device if isinstance(device, OrinProfile) else get_profile(device)
     cfg = model_config(model) if isinstance(model, str) else dict(model)
     name = model if isinstance(model, str) else cfg.get("_name_or_path", "model")
@@ -186,14 +222,45 @@ def plan(
         raise ConfigError(f"{profile.name} is {profile.sm}: FP8 KV needs sm_89 or newer; use int8 or fp16")
     if not 0 < kv_fraction <= 1:
         raise ConfigError(f"kv_fraction must be in (0, 1], got {kv_fraction}")
+    if memory_model not in MEMORY_MODELS:
+        raise ConfigError(f"memory_model must be one of {MEMORY_MODELS}, got {memory_model!r}")
     torch_dtype = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8", "fp8": "float8_e4m3fn"}[kv_dtype]
     spec = KVSpec.from_hf_config(cfg, dtype=torch_dtype, block_size=8)
     t, why = tokens_per_block_for(spec)
     spec = spec.with_(block_size=t)
     w = weight_bytes(cfg, weights)
     host_copy = 0 if use_mmap else w  # README4Jetson: total memory 16.2 GB without mmap, 11.2 GB with
-    os_bytes, runtime = round(os_reserve_gib * GIB), round(runtime_gib * GIB)
-    free = round(profile.memory_gib * GIB) - os_bytes - w - host_copy - runtime
+    nominal = round(profile.memory_gib * GIB)
+    if memory_model == "nominal":  # before issue 28: nominal memory, 2 GiB OS, 1.5 GiB runtime
+        os_bytes, runtime = (
+            round((2.0 if os_reserve_gib is None else os_reserve_gib) * GIB),
+            round((1.5 if runtime_gib is None else runtime_gib) * GIB),
+        )
+        terms = [
+            Term("os_desktop", os_bytes, "nominal accounting: 2 GiB"),
+            Term("runtime", runtime, "nominal accounting: 1.5 GiB"),
+            Term("weights", w, "the engine's weights"),
+            *([Term("host_copy", w, "without --use_mmap")] if host_copy else []),
+        ]
+        total = nominal
+    else:
+        terms = memory_terms(
+            cfg,
+            profile.name,
+            nominal,
+            w,
+            use_mmap=use_mmap,
+            max_num_tokens=max_num_tokens,
+            max_batch=max_batch,
+            os_bytes=None if os_reserve_gib is None else round(os_reserve_gib * GIB),
+            runtime_bytes=None if runtime_gib is None else round(runtime_gib * GIB),
+            memtotal_bytes=memtotal_bytes,
+        )
+        total = nominal  # the carve-outs are the first term
+    by_name = {term.name: term.bytes for term in terms}
+    os_bytes = by_name["os_desktop"]
+    runtime = by_name.get("runtime", by_name.get("cuda_context", 0) + by_name.get("activations", 0))
+    free = total - sum(by_name.values())
     budget = max(0, math.floor(kv_fraction * free))
     slab = 2 * spec.num_kv_heads * t * spec.head_dim * spec.dtype.itemsize
     block = spec.num_layers * slab
@@ -241,20 +308,66 @@ def plan(
         weights_read_per_token=read,
         feasible=not why_not,
         why_infeasible=why_not,
+        memory_model=memory_model,
+        memtotal_bytes=total - by_name.get("carve_outs", 0),
+        memory_terms=[asdict(term) for term in terms],
+        slab_target_reached=MIB // 2 < slab <= MIB,
+        max_batch=max_batch,
+        max_num_tokens=max_num_tokens,
     )
+
+
+#: README4Jetson.md (TensorRT-LLM v0.12.0-jetson), Llama-3-8B INT4 on AGX Orin 64GB, MAX-N, JetPack 6.1. "Inflight
+#: Batching" (90% of free memory to the paged KV cache): GPU memory 48.9 GB with mmap, 44.0 GB without. "Static
+#: Batching" with CUDA_LAZY_LOADING (the default): 6.8 GB of GPU memory — the engine without the paged pool.
+NVIDIA_AGX_LLAMA3_8B = {"gpu_mmap_gb": 48.9, "gpu_no_mmap_gb": 44.0, "static_gpu_gb": 6.8, "decode_tok_s": 35.9}
+
+
+def nvidia_implied_kv_tokens(kv_bytes_per_token: int) -> dict[str, int]:
+    """The KV tokens NVIDIA's run implies: (48.9 − 6.8) GB of paged pool over the bytes per token, read as GB
+    (10⁹) and as GiB (the tools' "GB" is ambiguous); the planner must land within 10% of both."""
+    kv = NVIDIA_AGX_LLAMA3_8B["gpu_mmap_gb"] - NVIDIA_AGX_LLAMA3_8B["static_gpu_gb"]
+    return {"GB": round(kv * 1e9 / kv_bytes_per_token), "GiB": round(kv * GIB / kv_bytes_per_token)}
+
+
+def calibration_table() -> list[dict[str, Any]]:
+    """The calibrated plan beside NVIDIA's figures for Llama-3-8B INT4 on AGX Orin 64GB, built with trtllm-build's
+    defaults as NVIDIA did: one row per quantity, with the nominal (pre-issue-28) accounting for comparison."""
+    kw: dict[str, Any] = {"weights": "int4", "kv_dtype": "fp16"}
+    cal, off = plan("llama-3-8b", "orin-agx-64gb", **kw), plan("llama-3-8b", "orin-agx-64gb", use_mmap=False, **kw)
+    old = plan("llama-3-8b", "orin-agx-64gb", memory_model="nominal", **kw)
+    implied = nvidia_implied_kv_tokens(cal.kv_bytes_per_token)
+    terms = {t["name"]: t["bytes"] for t in cal.memory_terms}
+    non_kv = terms["weights"] + terms["cuda_context"] + terms["activations"]
+    n = NVIDIA_AGX_LLAMA3_8B
+    return [
+        {"quantity": "KV tokens (mmap)", "nvidia": f"{implied['GB']:,}–{implied['GiB']:,}", "plan": cal.kv_tokens,
+         "nominal": old.kv_tokens, "error": cal.kv_tokens / (sum(implied.values()) / 2) - 1},
+        {"quantity": "non-KV GPU memory, GB", "nvidia": n["static_gpu_gb"], "plan": round(non_kv / 1e9, 2),
+         "nominal": round((old.weight_bytes + old.runtime_bytes) / 1e9, 2),
+         "error": non_kv / 1e9 / n["static_gpu_gb"] - 1},
+        {"quantity": "GPU memory with mmap, GB", "nvidia": n["gpu_mmap_gb"],
+         "plan": round((non_kv + cal.blocks * cal.block_bytes) / 1e9, 2),
+         "nominal": round((old.weight_bytes + old.runtime_bytes + old.blocks * old.block_bytes) / 1e9, 2),
+         "error": (non_kv + cal.blocks * cal.block_bytes) / 1e9 / n["gpu_mmap_gb"] - 1},
+        {"quantity": "KV lost without mmap, GB", "nvidia": round(n["gpu_mmap_gb"] - n["gpu_no_mmap_gb"], 2),
+         "plan": round((cal.blocks - off.blocks) * cal.block_bytes / 1e9, 2),
+         "nominal": round((old.blocks - plan("llama-3-8b", "orin-agx-64gb", memory_model="nominal", use_mmap=False,
+                                             **kw).blocks) * old.block_bytes / 1e9, 2),
+         "error": (cal.blocks - off.blocks) * cal.block_bytes / 1e9 / (n["gpu_mmap_gb"] - n["gpu_no_mmap_gb"]) - 1},
+    ]  # fmt: skip
 
 
 def human(p: Plan) -> str:
     """The plan in a few lines (INFEASIBLE first, and no bounds, when it does not fit)."""
-    twice = " (twice: no mmap)" if p.host_copy_bytes else ""
+    terms = ", ".join(f"{t['name']} {t['bytes'] / GIB:.2f}" for t in p.memory_terms)
     lines = [
         f"{p.model} on {p.device}: {p.parameters / 1e9:.2f} B parameters, weights {p.weights} "
         f"{p.weight_bytes / GIB:.2f} GiB, KV {p.kv_dtype}",
-        f"free after OS {p.os_reserve_bytes / GIB:.1f} GiB, weights{twice}, runtime {p.runtime_bytes / GIB:.1f} GiB: "
-        f"{p.free_bytes / GIB:.2f} GiB; KV budget {p.kv_budget_bytes / GIB:.2f} GiB",
+        f"memory ({p.memory_model}, GiB): {terms}; free {p.free_bytes / GIB:.2f} GiB; "
+        f"KV budget {p.kv_budget_bytes / GIB:.2f} GiB",
         f"KV {p.kv_bytes_per_token:,} bytes per token; tokens_per_block {p.tokens_per_block} ({p.granularity}; "
-        f"L2 is {p.l2_mib:g} MiB); whole block "
-        f"{p.block_bytes / MIB:.2f} MiB; {p.blocks} blocks = {p.kv_tokens:,} tokens",
+        f"L2 is {p.l2_mib:g} MiB); {p.blocks} blocks = {p.kv_tokens:,} tokens",
     ]
     if not p.feasible:
         return "\n".join([f"INFEASIBLE: {p.why_infeasible}", *lines])
@@ -277,12 +390,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", required=True, choices=sorted(PROFILES))
     parser.add_argument("--kv-dtype", default="fp16", choices=sorted(KV_BYTES))
     parser.add_argument("--weights", default="int4", choices=sorted(WEIGHT_BYTES))
-    parser.add_argument("--os-reserve-gib", type=float, default=2.0)
-    parser.add_argument("--runtime-gib", type=float, default=1.5)
+    parser.add_argument("--os-reserve-gib", type=float, help="replace the OS and desktop term (default 2847 MiB)")
+    parser.add_argument("--runtime-gib", type=float, help="replace the CUDA context + activations terms")
     parser.add_argument("--kv-fraction", type=float, default=0.9)
+    parser.add_argument("--batch", type=int, default=TRTLLM_BUILD_DEFAULTS["max_batch_size"], help="max_batch_size")
+    parser.add_argument("--max-num-tokens", type=int, default=TRTLLM_BUILD_DEFAULTS["max_num_tokens"])
+    parser.add_argument("--meminfo", help="a copy of the device's /proc/meminfo (deploy.sh records one): its MemTotal")
+    parser.add_argument("--memory-model", default="calibrated", choices=MEMORY_MODELS)
     parser.add_argument("--no-mmap", action="store_true", help="plan for run.py without --use_mmap (host copy)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    memtotal = None
+    if args.meminfo:
+        with open(args.meminfo, encoding="utf-8", errors="replace") as fh:
+            memtotal = memtotal_from_meminfo(fh.read(64 * 1024 + 1))
     p = plan(
         args.model,
         args.device,
@@ -292,6 +413,10 @@ def main(argv: list[str] | None = None) -> int:
         runtime_gib=args.runtime_gib,
         kv_fraction=args.kv_fraction,
         use_mmap=not args.no_mmap,
+        max_batch=args.batch,
+        max_num_tokens=args.max_num_tokens,
+        memory_model=args.memory_model,
+        memtotal_bytes=memtotal,
     )
     print(json.dumps(p.to_dict()) if args.json else human(p))
     return 0 if p.feasible else 2

@@ -42,8 +42,11 @@ def allocated_tokens(kv_lines: list[str]) -> int | None:
 
 def test_device_1_which_variant_builds_on_sm87():
     res = device_results()
-    # reuse = paged context FMHA + block reuse (prefix sharing on the device); safe = NVIDIA's defaults
-    assert res["variant_built"] in ("reuse", "safe"), f"no engine built: see build-*.log ({res['variant_built']})"
+    # reuse = paged context FMHA + block reuse (prefix sharing on the device); safe = NVIDIA's defaults. Only a
+    # reuse build "refused" by a rule says paged context FMHA does not build on sm_87; out of memory, a missing
+    # tool or a wrong path say nothing about sm_87 (issue 28)
+    builds = [(b["variant"], b["class"], b["line"]) for b in res.get("builds", [])]
+    assert res["variant_built"] in ("reuse", "safe"), f"no engine built: {builds}"
 
 
 def test_device_2_the_kv_pool_allocated_is_the_plans():
@@ -57,14 +60,16 @@ def test_device_2_the_kv_pool_allocated_is_the_plans():
 def test_device_3_tokens_per_second_under_the_bound():
     res = device_results()
     tps, bound = res["generation_tokens_per_second"], res["plan"].get("decode_bound_batch1")
-    assert tps is not None, "no gptSessionBenchmark figure: build the wheel with --benchmarks"
+    if isinstance(tps, dict):  # unreadable: its reason and log; run.py's end-to-end rate is the stated fallback
+        tps = res.get("run_py_tokens_per_second")
+    assert isinstance(tps, (int, float)), f"no tokens/s: {res['generation_tokens_per_second']}"
     assert bound is None or tps <= bound, f"{tps} tok/s beats the bandwidth bound {bound}: the bound is wrong"
 
 
 def test_device_4_engine_greedy_tokens_equal_the_reference():
     res = device_results()
     match = res["greedy_vs_reference"]
-    assert match is not None, "no token comparison: copy reference.json beside the checkpoint"
+    assert "error" not in match, f"no token comparison: {match}"
     assert match["equal_prefix"] == match["reference"], f"fp16 engine diverged at token {match['equal_prefix']}"
 
 
@@ -86,6 +91,13 @@ def test_the_device_checks_read_what_deploy_sh_writes(tmp_path, monkeypatch):
     bad = {**good, "variant_built": "failed", "kv_lines": ["max tokens in paged kv cache: 9000"],
            "generation_tokens_per_second": 400.0,
            "greedy_vs_reference": {"equal_prefix": 3, "reference": 8}}  # fmt: skip
+    unreadable = {**good, "generation_tokens_per_second": {"error": "no [BENCHMARK] line", "log": "results/bench.log"},
+                  "run_py_tokens_per_second": {"error": "no latency line", "log": "results/run.log"},
+                  "greedy_vs_reference": {"error": "run.py wrote no out.csv", "log": "results/run.log"}}  # fmt: skip
+    path.write_text(json.dumps(unreadable))
+    for check in checks[2:]:
+        with pytest.raises(AssertionError, match=r"no tokens/s|no token comparison"):
+            check()
     path.write_text(json.dumps(bad))
     for check in checks:
         with pytest.raises(AssertionError):
