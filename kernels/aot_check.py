@@ -74,7 +74,8 @@ def _decode_config(dtype: str, group: int, block: int, head_dim: int, quant: str
     cfg = decode_config(group, block, head_dim, tdtype)
     elt = {"fp16": "*fp16", "bf16": "*bf16"}[dtype]
     pointers = {"q_ptr": elt, "kc_ptr": elt, "vc_ptr": elt, "tables_ptr": "*i32", "lens_ptr": "*i32",
-                "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "ks_ptr": elt, "vs_ptr": elt}  # fmt: skip
+                "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "ks_ptr": elt, "vs_ptr": elt,
+                "out_ptr": elt}  # fmt: skip
     s_st = 0
     if quant == "int8":
         pointers.update(kc_ptr="*i8", vc_ptr="*i8", ks_ptr="*fp16", vs_ptr="*fp16")
@@ -88,9 +89,10 @@ def _decode_config(dtype: str, group: int, block: int, head_dim: int, quant: str
         s_qb=8 * group * head_dim, s_qh=head_dim,
         s_cb=LAYERS * 2 * 8 * block * head_dim, s_ch=block * head_dim, s_ct=head_dim,
         s_sb=s_sb, s_sh=s_sh, s_st=s_st, s_tb=2048 // block, s_tc=1, tokens_per_split=8 * cfg.tile,
+        s_ob=8 * group * head_dim, s_oh=head_dim, width=2048 // block, num_blocks=4096,
     )  # fmt: skip
     consts = dict(G=group, GP=cfg.gp, T=block, D=head_dim, TILE=cfg.tile, QUANT=QUANT_MODES[quant], DOT_F32=False,
-                  PREC="tf32")  # fmt: skip
+                  PREC="tf32", DIRECT=False)  # fmt: skip
     name = f"decode_{quant if quant != 'none' else dtype}_g{group}_t{block}_d{head_dim}"
     return Config(name, "paged_decode", "decode_split_kernel", pointers, consts, ints, cfg.num_warps, cfg.num_stages)
 
@@ -102,7 +104,7 @@ def _kivi_config(bits: int, group: int, head_dim: int) -> Config:
     block, kg = 32, 32
     cfg = decode_config(group, block, head_dim, torch.float16)
     pointers = {"tables_ptr": "*i32", "lens_ptr": "*i32", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
-                "kc_ptr": "*u8", "vc_ptr": "*u8", "slot_ptr": "*i64"}  # fmt: skip
+                "kc_ptr": "*u8", "vc_ptr": "*u8", "slot_ptr": "*i64", "out_ptr": "*fp16"}  # fmt: skip
     packed = head_dim * bits // 8
     ints = dict(
         s_qb=8 * group * head_dim, s_qh=head_dim,
@@ -111,9 +113,10 @@ def _kivi_config(bits: int, group: int, head_dim: int) -> Config:
         s_vb=LAYERS * 8 * block * (head_dim // kg), s_vh=block * (head_dim // kg), s_vt=head_dim // kg,
         s_fb=LAYERS * 2 * 8 * block * head_dim, s_fk=8 * block * head_dim, s_fh=block * head_dim, s_ft=head_dim,
         s_tb=64, s_tc=1, tokens_per_split=8 * cfg.tile,
+        s_ob=8 * group * head_dim, s_oh=head_dim, width=64, num_blocks=4096, num_staged=512,
     )  # fmt: skip
     consts = dict(G=group, GP=cfg.gp, T=block, D=head_dim, TILE=cfg.tile, BITS=bits, GK=kg, GV=kg, DOT_F32=False,
-                  PREC="tf32")  # fmt: skip
+                  PREC="tf32", DIRECT=False)  # fmt: skip
     return Config(f"decode_kivi{bits}_g{group}_d{head_dim}", "kivi_decode", "decode_kivi_split_kernel", pointers,
                   consts, ints, cfg.num_warps, cfg.num_stages)  # fmt: skip
 
@@ -130,7 +133,7 @@ def _prefill_config(dtype: str, group: int, block: int, head_dim: int) -> Config
     q = dict(s_qb=8 * group * 512 * head_dim, s_qh=512 * head_dim, s_qq=head_dim)
     ints = dict(**q, s_ob=q["s_qb"], s_oh=q["s_qh"], s_oq=head_dim,
                 s_cb=LAYERS * 2 * 8 * block * head_dim, s_ch=block * head_dim, s_ct=head_dim,
-                s_tb=2048 // block, s_tc=1)  # fmt: skip
+                s_tb=2048 // block, s_tc=1, width=2048 // block, num_blocks=4096, num_q=512)  # fmt: skip
     consts = dict(G=group, GP=gp, QB=qb, T=block, D=head_dim, TILE=tile, DOT_F32=False, PREC="tf32")
     return Config(f"prefill_{dtype}_g{group}_t{block}_d{head_dim}", "paged_prefill", "prefill_kernel", pointers,
                   consts, ints, num_warps=4, num_stages=2)  # fmt: skip
@@ -139,7 +142,8 @@ def _prefill_config(dtype: str, group: int, block: int, head_dim: int) -> Config
 def _write_configs(block: int, head_dim: int, capability: int) -> list[Config]:
     h = 8
     strides = dict(s_kn=h * head_dim, s_kh=head_dim, s_vn=h * head_dim, s_vh=head_dim,
-                   s_cb=LAYERS * 2 * h * block * head_dim, s_ch=block * head_dim, s_ct=head_dim)  # fmt: skip
+                   s_cb=LAYERS * 2 * h * block * head_dim, s_ch=block * head_dim, s_ct=head_dim,
+                   num_slots=4096 * block)  # fmt: skip
     consts = dict(T=block, D=head_dim)
     out = [
         Config(f"write_kv_t{block}_d{head_dim}", "write_kv", "write_kv_kernel", {"slots_ptr": "*i64"}, consts,
@@ -176,7 +180,7 @@ def configs(capability: int, full: bool = False) -> list[Config]:
                     dict(G=4, GP=16, D=128),
                     dict(s_ob=32 * 128, s_oh=128, num_splits=8, tokens_per_split=512))  # fmt: skip
     copy = Config("copy_blocks", "copy_blocks", "copy_blocks_kernel", {"pairs_ptr": "*i64"}, {"CHUNK": 1024},
-                  {"block_numel": 2 * 8 * 16 * 128})  # fmt: skip
+                  {"block_numel": 2 * 8 * 16 * 128, "num_blocks": 4096})  # fmt: skip
     prefill = [_prefill_config("fp16", 4, 16, 128)]
     return decode + quant + kivi + writes + prefill + [reduce, copy]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from memos_ref.errors import ConfigError, DeviceError, DTypeError, ShapeError
+from memos_ref.errors import ConfigError, DeviceError, DTypeError, InvalidArgumentError, InvalidBlockError, ShapeError
 
 __all__ = [
     "CACHE_DTYPES",
@@ -19,8 +19,11 @@ __all__ = [
     "CheckResult",
     "check_cache",
     "check_fp8",
+    "check_slots",
+    "check_tables",
     "default_device",
     "is_pow2",
+    "should_validate",
 ]
 
 NEG = tl.constexpr(-1.0e30)  # a finite "minus infinity": exp(NEG - m) is 0 and never NaN (jit globals: constexpr)
@@ -71,6 +74,53 @@ def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, quant: str =
     if key_cache.device != value_cache.device:
         raise DeviceError(f"key and value caches are on {key_cache.device} and {value_cache.device}: use one device")
     return n, h, t, d
+
+
+def should_validate(validate: bool | None, device: torch.device) -> bool:
+    """Whether a wrapper reads its metadata's values (:func:`check_tables`, :func:`check_slots`): ``validate``
+    when given; by default only on the CPU, where the read is free — on a GPU it would synchronize the host every
+    call (and a ``meta`` tensor has no values), so the caller checks once per step (or not) and the kernels mask
+    every index they derive instead."""
+    return device.type == "cpu" if validate is None else validate
+
+
+def check_tables(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int, max_len: int | None = None
+) -> None:
+    """Refuse paged metadata a kernel would read past: lengths below 0, beyond the tables' width × block size
+    (or the host's ``max_len`` bound the launch was planned for), and block ids outside ``[0, num_blocks)`` among
+    the columns a sequence uses. Reads the values (free on the CPU; one host sync on a GPU)."""
+    width = block_tables.shape[1]
+    cap = width * block_size if max_len is None else min(width * block_size, max_len)
+    if seq_lens.numel() == 0:
+        return
+    lens = seq_lens.to(torch.int64)
+    lo, hi = (int(x) for x in torch.stack([lens.min(), lens.max()]).tolist())
+    if lo < 0 or hi > cap:
+        bad = int(((lens < 0) | (lens > cap)).nonzero()[0, 0])
+        raise ShapeError(
+            f"sequence {bad}: {int(lens[bad])} tokens, expected 0..{cap} (block table width {width} x block size "
+            f"{block_size}" + (f", max_seq_len {max_len})" if max_len is not None else ")")
+        )
+    used = torch.arange(width, device=lens.device)[None, :] < ((lens + block_size - 1) // block_size)[:, None]
+    bad_ids = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    if bool(bad_ids.any()):
+        row, col = (int(x) for x in bad_ids.nonzero()[0])
+        raise InvalidBlockError(
+            f"sequence {row}: block table column {col} holds block id {int(block_tables[row, col])}, expected an id "
+            f"in [0, {num_blocks})"
+        )
+
+
+def check_slots(slots: torch.Tensor, num_slots: int) -> None:
+    """Refuse a slot mapping with an entry other than -1 (skip) or a slot in ``[0, num_slots)`` (reads the
+    values: free on the CPU; one host sync on a GPU)."""
+    bad = (slots < -1) | (slots >= num_slots)
+    if slots.numel() and bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise InvalidArgumentError(
+            f"slot_mapping[{i}] = {int(slots[i])}, expected -1 (skip) or a slot in [0, {num_slots})"
+        )
 
 
 @dataclass(frozen=True)

@@ -32,14 +32,16 @@ def copy_blocks_reference(pool: torch.Tensor, pairs: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------------------------------------- kernel
 @triton.jit
-def copy_blocks_kernel(pool_ptr, pairs_ptr, block_numel, CHUNK: tl.constexpr):
-    """Program (pair i, chunk c): copy elements ``[c·CHUNK, (c+1)·CHUNK)`` of block ``src`` onto ``dst``."""
+def copy_blocks_kernel(pool_ptr, pairs_ptr, block_numel, num_blocks, CHUNK: tl.constexpr):
+    """Program (pair i, chunk c): copy elements ``[c·CHUNK, (c+1)·CHUNK)`` of block ``src`` onto ``dst`` (a
+    pair with an id outside ``[0, num_blocks)`` copies nothing: never a read or write outside the pool)."""
     i = tl.program_id(0)
     c = tl.program_id(1)
     src = tl.load(pairs_ptr + 2 * i)
     dst = tl.load(pairs_ptr + 2 * i + 1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
-    ok = offs < block_numel
+    inside = (src >= 0) & (src < num_blocks) & (dst >= 0) & (dst < num_blocks)
+    ok = offs < tl.where(inside, block_numel, 0)  # a pair outside the pool: no element
     tl.store(pool_ptr + dst * block_numel + offs, tl.load(pool_ptr + src * block_numel + offs, mask=ok), mask=ok)
 
 
@@ -67,7 +69,7 @@ def copy_blocks(pool: torch.Tensor, pairs: torch.Tensor) -> None:
         raise ConfigError("copy_blocks destinations must be distinct and must not be sources")
     numel = pool[0].numel()
     chunk = 1024
-    copy_blocks_kernel[(flat.shape[0], triton.cdiv(numel, chunk))](pool, flat, numel, CHUNK=chunk)
+    copy_blocks_kernel[(flat.shape[0], triton.cdiv(numel, chunk))](pool, flat, numel, n, CHUNK=chunk)
 
 
 # ---------------------------------------------------------------------------------------------- check

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from memos_kernels.common import NEG, CheckResult, default_device, is_pow2
+from memos_kernels.common import NEG, CheckResult, default_device, is_pow2, should_validate
 from memos_kernels.paged_decode import (
     LOG2E,
     DecodeWorkspace,
     attend_tile,
+    decode_bounds,
     dot_flags,
     load_group,
     paged_decode_reference,
@@ -30,13 +31,13 @@ from memos_kernels.paged_decode import (
     random_paged_case,
     reduce_decode,
     split_bounds,
-    store_partials,
+    store_split,
     tile_slots,
     validate_decode_inputs,
 )
 from memos_kernels.timing import time_ms
 
-from memos_ref.errors import ConfigError, DeviceError, ShapeError
+from memos_ref.errors import ConfigError, DeviceError, InvalidBlockError, ShapeError
 
 __all__ = [
     "KERNELS",
@@ -127,7 +128,7 @@ def paged_decode_kivi_reference(
 # ---------------------------------------------------------------------------------------------- kernel
 @triton.jit
 def decode_kivi_split_kernel(
-    q_ptr, tables_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr,
+    q_ptr, tables_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, stg_ptr, slot_ptr,
     qk_scale,
     s_qb, s_qh,
@@ -135,20 +136,22 @@ def decode_kivi_split_kernel(
     s_kb, s_kh, s_kg,
     s_vb, s_vh, s_vt,
     s_fb, s_fk, s_fh, s_ft,
-    s_tb, s_tc, tokens_per_split,
+    s_tb, s_tc, width, num_blocks, num_staged, tokens_per_split,
     G: tl.constexpr, GP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
     BITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):  # fmt: skip
     """Split-K decode over KIVI blocks on :mod:`memos_kernels.paged_decode`'s skeleton (token tiles through the
     table, ``tl.dot`` over the query group): each token is read from its block's packed codes (keys per channel
     over GK tokens, values per token over GV channels, fp16 scale and zero) or, for a block still in the
-    residual window, from the full-precision staging slab."""
+    residual window, from the full-precision staging slab. Bounds: table columns, block ids and staging rows
+    outside ``[0, width)``, ``[0, num_blocks)`` and ``[-1, num_staged)`` are masked, never read."""
     PER: tl.constexpr = 8 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    start, end = split_bounds(lens_ptr, b, s, tokens_per_split)
+    start, end = split_bounds(lens_ptr, b, s, tokens_per_split, width * T)
     q = load_group(q_ptr, b, h, s_qb, s_qh, G, GP, D, DOT_F32)
     d = tl.arange(0, D)
     shift = ((d % PER) * BITS)[None, :]
@@ -156,8 +159,9 @@ def decode_kivi_split_kernel(
     l_i = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
     for tok0 in range(start, end, TILE):
-        ok, block, off = tile_slots(tables_ptr, b, s_tb, s_tc, tok0, end, T, TILE)
+        ok, block, off = tile_slots(tables_ptr, b, s_tb, s_tc, tok0, end, width, num_blocks, T, TILE)
         slot = tl.load(slot_ptr + block, mask=ok, other=-1)  # [TILE]: the block's staging row, -1 sealed
+        ok = ok & (slot >= -1) & (slot < num_staged)  # a row outside the slab: the token is invalid
         staged = (ok & (slot >= 0))[:, None]
         sealed = (ok & (slot < 0))[:, None]
         f = slot.to(tl.int64) * s_fb + h * s_fh + off * s_ft
@@ -173,7 +177,7 @@ def decode_kivi_split_kernel(
         v_sc = tl.load(vs_ptr + vq, mask=sealed, other=0.0).to(tl.float32)
         v += vcode * v_sc + tl.load(vz_ptr + vq, mask=sealed, other=0.0).to(tl.float32)
         m_i, l_i, acc = attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, DOT_F32, PREC)
-    store_partials(acc_ptr, m_ptr, l_ptr, b, h, s, acc, m_i, l_i, G, GP, D)
+    store_split(acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh, b, h, s, acc, m_i, l_i, G, GP, D, DIRECT)
 
 
 KERNELS = (decode_kivi_split_kernel,)
@@ -237,12 +241,14 @@ def paged_decode_attention_kivi_packed(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
+    validate: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention ``query [B, Hq, D]`` -> ``[B, Hq, D]`` over one layer of KIVI blocks given as plain
     tensors (:class:`KiviBlocks`): sealed blocks are unpacked and dequantized in the kernel, blocks of the
     residual window are read from the full-precision staging slab. The split and workspace arguments are
     :func:`~memos_kernels.paged_decode.paged_decode_attention`'s; nothing is copied to the device per call (the
-    staging slot map must already be there)."""
+    staging slot map must already be there). ``validate`` as in
+    :func:`~memos_kernels.paged_decode.paged_decode_attention` (the staging slot map's rows too)."""
     h, t, d, gv = _check_blocks(blocks, query.device)
     validate_decode_inputs(query, h, d, block_tables, seq_lens)
     b = query.shape[0]
@@ -251,7 +257,15 @@ def paged_decode_attention_kivi_packed(
         stg = stg.new_empty((1, 2, h, t, d))
     kc, ks, kz, vc, vs, vz = (blocks.k_codes, blocks.k_scale, blocks.k_zero, blocks.v_codes, blocks.v_scale,
                               blocks.v_zero)  # fmt: skip
-    max_len = max_seq_len if max_seq_len is not None else block_tables.shape[1] * t
+    n_blocks, n_staged = blocks.k_codes.shape[0], blocks.staging.shape[0]
+    max_len = decode_bounds(block_tables, seq_lens, n_blocks, t, max_seq_len, validate)
+    if should_validate(validate, query.device):
+        slot = blocks.staging_slot
+        if slot.numel() and bool(((slot < -1) | (slot >= n_staged)).any()):
+            bad = int(((slot < -1) | (slot >= n_staged)).nonzero()[0, 0])
+            raise InvalidBlockError(
+                f"staging_slot[{bad}] = {int(slot[bad])}, expected -1 (sealed) or 0..{n_staged - 1}"
+            )
     plan = plan_decode(query, h, t, max_len, tokens_per_split=tokens_per_split, blocks_per_split=blocks_per_split,
                        workspace=workspace, out=out)  # fmt: skip
     if b == 0:
@@ -259,7 +273,7 @@ def paged_decode_attention_kivi_packed(
     dot_f32, prec = dot_flags(query)
     cfg = plan.config
     decode_kivi_split_kernel[plan.grid](
-        query, block_tables, seq_lens, plan.acc, plan.m, plan.l_sum,
+        query, block_tables, seq_lens, plan.acc, plan.m, plan.l_sum, plan.out, plan.out.stride(0), plan.out.stride(1),
         kc, ks, kz, vc, vs, vz, stg, blocks.staging_slot,
         (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E,
         query.stride(0), query.stride(1),
@@ -267,9 +281,10 @@ def paged_decode_attention_kivi_packed(
         ks.stride(0), ks.stride(1), ks.stride(2),
         vs.stride(0), vs.stride(1), vs.stride(2),
         stg.stride(0), stg.stride(1), stg.stride(2), stg.stride(3),
-        block_tables.stride(0), block_tables.stride(1), plan.tokens_per_split,
+        block_tables.stride(0), block_tables.stride(1), block_tables.shape[1], n_blocks, n_staged,
+        plan.tokens_per_split,
         G=plan.group, GP=cfg.gp, T=t, D=d, TILE=cfg.tile,
-        BITS=blocks.bits, GK=blocks.group_size, GV=gv, DOT_F32=dot_f32, PREC=prec,
+        BITS=blocks.bits, GK=blocks.group_size, GV=gv, DOT_F32=dot_f32, PREC=prec, DIRECT=plan.num_splits == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return reduce_decode(plan, seq_lens)
@@ -287,8 +302,9 @@ def paged_decode_attention_kivi(
 ) -> torch.Tensor:
     """Decode attention ``[B, Hq, D]`` over layer ``layer`` of a KIVI quantized pool, read by duck typing (no
     import of the pool's class): ``pool.scheme.bits`` / ``.group_size``, ``pool.payload`` (the
-    :data:`KIVI_PAYLOAD` tensors ``[N, L, ...]``), ``pool.staging [S, L, 2, H, T, D]`` and
-    ``pool.staging_slot [N]``. Slices the layer and calls :func:`paged_decode_attention_kivi_packed`."""
+    :data:`KIVI_PAYLOAD` tensors ``[N, L, ...]``), ``pool.staging [S, L, 2, H, T, D]`` and the slot map
+    ``pool.device_staging_slot [N]`` (on the pool's device; ``pool.staging_slot`` for a pool without one). Slices
+    the layer and calls :func:`paged_decode_attention_kivi_packed`."""
     scheme = getattr(pool, "scheme", None)
     bits, group = getattr(scheme, "bits", None), getattr(scheme, "group_size", None)
     payload = getattr(pool, "payload", None)
@@ -297,10 +313,13 @@ def paged_decode_attention_kivi(
     ) <= set(payload):
         raise ConfigError(f"expected a quantized pool with a KIVI scheme, got {type(pool).__name__}")
     staging = pool.staging  # type: ignore[attr-defined]
+    slot_map = getattr(pool, "device_staging_slot", None)
+    if slot_map is None:
+        slot_map = pool.staging_slot  # type: ignore[attr-defined]
     blocks = KiviBlocks(
         *(payload[name][:, layer] for name in KIVI_PAYLOAD),
         staging[:, layer],
-        pool.staging_slot,  # type: ignore[attr-defined]
+        slot_map,
         bits=bits,
         group_size=group,
     )

@@ -22,7 +22,15 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from memos_kernels.common import NEG, CheckResult, check_cache, check_fp8, default_device
+from memos_kernels.common import (
+    NEG,
+    CheckResult,
+    check_cache,
+    check_fp8,
+    check_tables,
+    default_device,
+    should_validate,
+)
 from memos_kernels.timing import time_ms
 
 from memos_ref.errors import ConfigError, DeviceError, DTypeError, ShapeError
@@ -36,6 +44,7 @@ __all__ = [
     "attend_tile",
     "benchmark_paged_decode",
     "check_paged_decode",
+    "decode_bounds",
     "decode_config",
     "decode_reduce_kernel",
     "decode_split_kernel",
@@ -104,13 +113,17 @@ def paged_decode_reference(
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def tile_slots(tables_ptr, b, s_tb, s_tc, tok0, end, T: tl.constexpr, TILE: tl.constexpr):
+def tile_slots(tables_ptr, b, s_tb, s_tc, tok0, end, width, num_blocks, T: tl.constexpr, TILE: tl.constexpr):
     """A token tile ``tok0 .. tok0 + TILE`` of sequence ``b`` (valid below ``end``) through its block table:
     the tokens' positions, validity, blocks (int64: block × stride passes 2^31 in big pools) and offsets. The
-    tile spans ``TILE / T`` blocks, or part of one, whatever the block size."""
+    tile spans ``TILE / T`` blocks, or part of one, whatever the block size. Bounds: a column past the table's
+    ``width`` is never read, and a token whose block id is outside ``[0, num_blocks)`` is invalid (masked): no
+    metadata can make a kernel read outside the table or the pool."""
     tok = tok0 + tl.arange(0, TILE)
-    ok = tok < end
-    block = tl.load(tables_ptr + b * s_tb + (tok // T) * s_tc, mask=ok, other=0).to(tl.int64)
+    col = tok // T
+    ok = (tok < end) & (col < width)
+    block = tl.load(tables_ptr + b * s_tb + col * s_tc, mask=ok, other=0).to(tl.int64)
+    ok = ok & (block >= 0) & (block < num_blocks)
     return ok, block, tok % T
 
 
@@ -136,9 +149,10 @@ def attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr, PRE
 
 
 @triton.jit
-def split_bounds(lens_ptr, b, s, tokens_per_split):
-    """This program's share of sequence ``b``: tokens ``start .. end`` (empty past its length)."""
-    seq_len = tl.load(lens_ptr + b).to(tl.int32)
+def split_bounds(lens_ptr, b, s, tokens_per_split, capacity):
+    """This program's share of sequence ``b``: tokens ``start .. end`` (empty past its length, and past the
+    ``capacity`` of its block table: width × block size)."""
+    seq_len = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), capacity)
     start = s * tokens_per_split
     return start, tl.minimum(start + tokens_per_split, seq_len)
 
@@ -167,33 +181,49 @@ def store_partials(acc_ptr, m_ptr, l_ptr, b, h, s, acc, m_i, l_i, G: tl.constexp
 
 
 @triton.jit
+def store_split(acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh, b, h, s, acc, m_i, l_i, G: tl.constexpr,
+                GP: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
+    """The end of a split program: with one split (``DIRECT``) the normalized output itself, straight into
+    ``out [B, Hq, D]`` (no reduce launch); otherwise the partial softmax (:func:`store_partials`)."""
+    if DIRECT:
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        res = acc / tl.maximum(l_i, 1e-30)[:, None]
+        dst = out_ptr + b * s_ob + (h * G + g)[:, None] * s_oh + d[None, :]
+        tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
+    else:
+        store_partials(acc_ptr, m_ptr, l_ptr, b, h, s, acc, m_i, l_i, G, GP, D)
+
+
+@triton.jit
 def decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, tables_ptr, lens_ptr,
-    acc_ptr, m_ptr, l_ptr,
+    acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh,
     ks_ptr, vs_ptr,
     qk_scale,
     s_qb, s_qh,
     s_cb, s_ch, s_ct,
     s_sb, s_sh, s_st,
-    s_tb, s_tc,
+    s_tb, s_tc, width, num_blocks,
     tokens_per_split,
     G: tl.constexpr, GP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
-    QUANT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    QUANT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr,
 ):  # fmt: skip
     """Program (sequence b, KV head h, split s): the whole query group over tokens ``start .. end`` of the
     sequence in tiles of ``TILE`` tokens gathered through the block table. ``QUANT`` 0: float caches; 1: int8
-    codes with an fp16 scale per (head, token); 2: fp8 e4m3 bytes with an fp32 scale per (block, head)."""
+    codes with an fp16 scale per (head, token); 2: fp8 e4m3 bytes with an fp32 scale per (block, head).
+    ``DIRECT`` (one split): the program writes the output itself (:func:`store_split`)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    start, end = split_bounds(lens_ptr, b, s, tokens_per_split)
+    start, end = split_bounds(lens_ptr, b, s, tokens_per_split, width * T)
     q = load_group(q_ptr, b, h, s_qb, s_qh, G, GP, D, DOT_F32)  # [GP, D]
     d = tl.arange(0, D)
     m_i = tl.full((GP,), NEG, tl.float32)
     l_i = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
     for tok0 in range(start, end, TILE):
-        ok, block, off = tile_slots(tables_ptr, b, s_tb, s_tc, tok0, end, T, TILE)
+        ok, block, off = tile_slots(tables_ptr, b, s_tb, s_tc, tok0, end, width, num_blocks, T, TILE)
         row = block * s_cb + h * s_ch + off * s_ct  # [TILE]
         ptrs = row[:, None] + d[None, :]
         k = tl.load(kc_ptr + ptrs, mask=ok[:, None], other=0)
@@ -207,7 +237,7 @@ def decode_split_kernel(
             k = k.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.load(ks_ptr + sc, mask=ok, other=0.0)[:, None]
             v = v.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.load(vs_ptr + sc, mask=ok, other=0.0)[:, None]
         m_i, l_i, acc = attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, DOT_F32, PREC)
-    store_partials(acc_ptr, m_ptr, l_ptr, b, h, s, acc, m_i, l_i, G, GP, D)
+    store_split(acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh, b, h, s, acc, m_i, l_i, G, GP, D, DIRECT)
 
 
 @triton.jit
@@ -257,6 +287,7 @@ class DecodeConfig:
     num_stages: int
 
 
+@functools.lru_cache(maxsize=256)
 def decode_config(group: int, block_size: int, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
     """Tile and launch parameters for a query group, block size, head dim and element type: a tile of about
     16 KiB of K per stage (64 tokens at head dim 128 in 16 bits, 128 at 64), never below 16 tokens (``tl.dot``'s
@@ -297,14 +328,20 @@ class DecodeWorkspace:
         self.device = torch.device(device)
         self.acc = torch.empty((capacity, head_dim), dtype=torch.float32, device=self.device)
         self.ml = torch.empty((2, capacity), dtype=torch.float32, device=self.device)
+        self._views: tuple[int, int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def take(self, rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views ``acc [rows, D]``, ``m [rows]``, ``l [rows]`` of the buffers (grown when too small)."""
+        """Views ``acc [rows, D]``, ``m [rows]``, ``l [rows]`` of the buffers (grown when too small; the views of
+        the last size are reused: every layer of a step asks for the same)."""
+        if self._views is not None and self._views[:2] == (rows, head_dim):
+            return self._views[2]
         if self.acc.shape[0] < rows or self.acc.shape[1] != head_dim:
             grow = max(rows, self.acc.shape[0] if self.acc.shape[1] == head_dim else 0)
             self.acc = torch.empty((grow, head_dim), dtype=torch.float32, device=self.device)
             self.ml = torch.empty((2, grow), dtype=torch.float32, device=self.device)
-        return self.acc[:rows], self.ml[0, :rows], self.ml[1, :rows]
+        views = (self.acc[:rows], self.ml[0, :rows], self.ml[1, :rows])
+        self._views = (rows, head_dim, views)
+        return views
 
 
 _WORKSPACES: dict[torch.device, DecodeWorkspace] = {}
@@ -376,10 +413,11 @@ def plan_decode(
 
 
 def reduce_decode(plan: DecodePlan, seq_lens: torch.Tensor) -> torch.Tensor:
-    """Merge the split kernel's partial softmaxes into ``plan.out [B, Hq, D]`` and return it."""
+    """Merge the split kernel's partial softmaxes into ``plan.out [B, Hq, D]`` and return it (nothing to do with
+    one split: the split kernel wrote the output directly)."""
     b, h, _ = plan.grid
     out = plan.out
-    if b:
+    if b and plan.num_splits > 1:
         decode_reduce_kernel[(b, h)](
             plan.acc, plan.m, plan.l_sum, out, seq_lens, out.stride(0), out.stride(1),
             plan.num_splits, plan.tokens_per_split,
@@ -434,6 +472,28 @@ def validate_decode_inputs(
         raise ShapeError("query must be contiguous along head_dim")
 
 
+def decode_bounds(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_blocks: int,
+    block_size: int,
+    max_seq_len: int | None,
+    validate: bool | None,
+) -> int:
+    """The host-known length bound of a decode launch (``max_seq_len``, default the tables' width × block size),
+    refused when it passes the tables' capacity; the metadata's values checked as :func:`should_validate` says
+    (:func:`~memos_kernels.common.check_tables`). Returns the bound."""
+    cap = block_tables.shape[1] * block_size
+    if max_seq_len is not None and max_seq_len > cap:
+        raise ShapeError(
+            f"max_seq_len {max_seq_len} exceeds the block tables' capacity {cap} (width {block_tables.shape[1]} x "
+            f"block size {block_size})"
+        )
+    if should_validate(validate, seq_lens.device):
+        check_tables(block_tables, seq_lens, num_blocks, block_size, max_seq_len)
+    return max_seq_len if max_seq_len is not None else cap
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -450,6 +510,7 @@ def paged_decode_attention(
     value_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
+    validate: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention: ``query [B, Hq, D]`` (one token per sequence) over each sequence's ``seq_lens[b]`` cached
     tokens, found through ``block_tables [B, max_blocks]`` in ``key_cache, value_cache [N, H, T, D]``.
@@ -463,7 +524,11 @@ def paged_decode_attention(
 
     Dequantizing variants read a quantized pool's payload: ``quant="int8"`` — int8 codes with fp16 scales
     ``[N, H, T]`` per (head, token); ``quant="fp8"`` — e4m3 codes stored as uint8 with fp32 scales ``[N, H]``
-    per (block, head)."""
+    per (block, head).
+
+    Bounds: ``validate`` (default: on the CPU only, where it costs no host sync) refuses lengths past the tables'
+    capacity or ``max_seq_len`` and block ids outside the pool; unvalidated, the kernel still never reads outside
+    the table or the pool (it masks such tokens: the result is the reference's over the valid tokens)."""
     if quant not in QUANT_MODES:
         raise ConfigError(f"quant must be one of {sorted(QUANT_MODES)}, got {quant!r}")
     _n, h, t, d = check_cache(key_cache, value_cache, quant)
@@ -479,7 +544,7 @@ def paged_decode_attention(
     validate_decode_inputs(query, h, d, block_tables, seq_lens)
     if query.device != key_cache.device:
         raise DeviceError("query, caches, block tables and lengths must be on one device")
-    max_len = max_seq_len if max_seq_len is not None else block_tables.shape[1] * t
+    max_len = decode_bounds(block_tables, seq_lens, _n, t, max_seq_len, validate)
     plan = plan_decode(query, h, t, max_len, tokens_per_split=tokens_per_split, blocks_per_split=blocks_per_split,
                        workspace=workspace, out=out)  # fmt: skip
     if query.shape[0] == 0:
@@ -488,16 +553,16 @@ def paged_decode_attention(
     cfg = plan.config
     decode_split_kernel[plan.grid](
         query, key_cache, value_cache, block_tables, seq_lens,
-        plan.acc, plan.m, plan.l_sum,
+        plan.acc, plan.m, plan.l_sum, plan.out, plan.out.stride(0), plan.out.stride(1),
         key_scale, value_scale,
         (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         s_sb, s_sh, s_st,
-        block_tables.stride(0), block_tables.stride(1),
+        block_tables.stride(0), block_tables.stride(1), block_tables.shape[1], _n,
         plan.tokens_per_split,
         G=plan.group, GP=cfg.gp, T=t, D=d, TILE=cfg.tile, QUANT=QUANT_MODES[quant], DOT_F32=dot_f32, PREC=prec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DIRECT=plan.num_splits == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return reduce_decode(plan, seq_lens)
 

@@ -17,7 +17,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from memos_kernels.common import NEG, CheckResult, check_cache, default_device
+from memos_kernels.common import NEG, CheckResult, check_cache, check_tables, default_device, should_validate
 from memos_kernels.paged_decode import (
     LOG2E,
     decode_config,
@@ -84,13 +84,15 @@ def prefill_kernel(
     s_qb, s_qh, s_qq,
     s_ob, s_oh, s_oq,
     s_cb, s_ch, s_ct,
-    s_tb, s_tc,
+    s_tb, s_tc, width, num_blocks, num_q,
     G: tl.constexpr, GP: tl.constexpr, QB: tl.constexpr, T: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
     DOT_F32: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Program (sequence b, KV head h, query tile qt): rows ``r = j · GP + g`` are query ``qt · QB + j`` of head
     ``h · G + g``; query j of a chunk of ``qlen`` sits at position ``n - qlen + j`` and sees tokens up to it. The
-    token loop stops after the tile's last query position (causal), every tile of K/V serves all ``QB · G`` rows."""
+    token loop stops after the tile's last query position (causal), every tile of K/V serves all ``QB · G`` rows.
+    Bounds: query rows past ``num_q`` (the query tensor's Q) are neither read nor written; table columns past
+    ``width`` and block ids outside ``[0, num_blocks)`` are masked (:func:`tile_slots`)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     qt = tl.program_id(2)
@@ -99,7 +101,7 @@ def prefill_kernel(
     r = tl.arange(0, QB * GP)
     j = qt * QB + r // GP
     g = r % GP
-    row_ok = (g < G) & (j < qlen)
+    row_ok = (g < G) & (j < qlen) & (j < num_q)
     pos = seq_len - qlen + j  # [QB·GP] each row's own position
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * s_qh + j[:, None] * s_qq + d[None, :],
@@ -110,8 +112,9 @@ def prefill_kernel(
     l_i = tl.zeros((QB * GP,), tl.float32)
     acc = tl.zeros((QB * GP, D), tl.float32)
     end = tl.minimum(seq_len, seq_len - qlen + qt * QB + QB)  # past the tile's last query: nothing to see
+    end = tl.minimum(end, width * T)  # past the table's capacity: nothing to read
     for tok0 in range(0, end, TILE):
-        ok, block, off = tile_slots(tables_ptr, b, s_tb, s_tc, tok0, end, T, TILE)
+        ok, block, off = tile_slots(tables_ptr, b, s_tb, s_tc, tok0, end, width, num_blocks, T, TILE)
         ptrs = (block * s_cb + h * s_ch + off * s_ct)[:, None] + d[None, :]
         k = tl.load(kc_ptr + ptrs, mask=ok[:, None], other=0)
         v = tl.load(vc_ptr + ptrs, mask=ok[:, None], other=0)
@@ -159,13 +162,18 @@ def paged_prefill_attention(
     *,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    validate: bool | None = None,
     **quant: object,
 ) -> torch.Tensor:
     """Chunked-prefill attention: ``query [B, Hq, Q, D]``, sequence b's first ``query_lens[b]`` rows being its
     newest tokens (already written to the cache), each attending causally over its cached prefix and the chunk
     up to itself. Returns ``out`` (zeros allocated when not given) ``[B, Hq, Q, D]``, zeros past ``query_lens``.
     Float caches: one launch of :func:`prefill_kernel`. ``quant`` passes the dequantizing arguments of
-    :func:`~memos_kernels.paged_decode.paged_decode_attention` through (decode rows)."""
+    :func:`~memos_kernels.paged_decode.paged_decode_attention` through (decode rows).
+
+    ``validate`` (default: on the CPU only, where reading the lengths costs no host sync) refuses query lengths
+    outside ``0..min(seq_len, Q)``, lengths past the tables' capacity and block ids outside the pool; on a GPU
+    the caller checks once per step (the package's forward does) and the kernel masks every derived index."""
     if query.ndim != 4:
         raise ShapeError(f"query must be [batch, q_heads, queries, head_dim], got {tuple(query.shape)}")
     b, hq, q, d = query.shape
@@ -173,12 +181,14 @@ def paged_prefill_attention(
         raise ShapeError(
             f"seq_lens and query_lens must be [{b}], got {tuple(seq_lens.shape)}, {tuple(query_lens.shape)}"
         )
-    if bool(((query_lens > seq_lens) | (query_lens > q) | (query_lens < 0)).any()):  # one check, not a loop
+    checked = should_validate(validate, query.device)
+    if checked and bool(((query_lens > seq_lens) | (query_lens > q) | (query_lens < 0)).any()):  # one check
         bad = int(((query_lens > seq_lens) | (query_lens > q) | (query_lens < 0)).nonzero()[0, 0])
         raise ShapeError(f"sequence {bad}: {int(query_lens[bad])} queries but {int(seq_lens[bad])} tokens (and Q={q})")
     if quant.get("quant", "none") != "none":
-        return _prefill_by_rows(query, key_cache, value_cache, block_tables, seq_lens, query_lens, scale, quant)
-    _n, h, t, _ = check_cache(key_cache, value_cache)
+        extras = {**quant, "validate": validate}
+        return _prefill_by_rows(query, key_cache, value_cache, block_tables, seq_lens, query_lens, scale, extras)
+    n_blocks, h, t, _ = check_cache(key_cache, value_cache)
     if key_cache.stride() != value_cache.stride():
         raise ShapeError("key and value caches must have the same strides (two views of one pool)")
     if query.dtype != key_cache.dtype:
@@ -194,6 +204,10 @@ def paged_prefill_attention(
         out = torch.zeros_like(query)
     elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
         raise ShapeError(f"out must be {query.dtype} {list(query.shape)} on {query.device}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != b:
+        raise ShapeError(f"block_tables must be [{b}, max_blocks], got {tuple(block_tables.shape)}")
+    if checked:
+        check_tables(block_tables, seq_lens, n_blocks, t)
     group = hq // h
     qb, gp, tile = prefill_config(group, t, d, query.dtype)
     if b == 0 or q == 0:
@@ -205,7 +219,7 @@ def paged_prefill_attention(
         query.stride(0), query.stride(1), query.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        block_tables.stride(0), block_tables.stride(1),
+        block_tables.stride(0), block_tables.stride(1), block_tables.shape[1], n_blocks, q,
         G=group, GP=gp, QB=qb, T=t, D=d, TILE=tile, DOT_F32=dot_f32, PREC=prec,
         num_warps=4, num_stages=2,
     )  # fmt: skip

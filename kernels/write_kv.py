@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from memos_kernels.common import CheckResult, check_cache, check_fp8, default_device
+from memos_kernels.common import CheckResult, check_cache, check_fp8, check_slots, default_device, should_validate
 from memos_kernels.timing import time_ms
 
 from memos_ref.errors import DeviceError, DTypeError, ShapeError
@@ -105,23 +105,25 @@ def write_kv_fp8_reference(
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def token_slot(slots_ptr, T: tl.constexpr, D: tl.constexpr):
-    """The write kernels' program (token i, KV head h): the token's slot (-1 skips), its block and offset."""
+def token_slot(slots_ptr, num_slots, T: tl.constexpr, D: tl.constexpr):
+    """The write kernels' program (token i, KV head h): whether to write (the slot is in ``[0, num_slots)``:
+    -1 skips, and a slot past the pool is never written), the block and offset."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + i)
-    return i, h, slot, slot // T, slot % T, tl.arange(0, D)
+    live = (slot >= 0) & (slot < num_slots)
+    return i, h, live, slot // T, slot % T, tl.arange(0, D)
 
 
 @triton.jit
 def write_kv_kernel(
     key_ptr, value_ptr, slots_ptr, kc_ptr, vc_ptr,
     s_kn, s_kh, s_vn, s_vh,
-    s_cb, s_ch, s_ct,
+    s_cb, s_ch, s_ct, num_slots,
     T: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
-    i, h, slot, block, off, d = token_slot(slots_ptr, T, D)
-    if slot >= 0:
+    i, h, live, block, off, d = token_slot(slots_ptr, num_slots, T, D)
+    if live:
         k = tl.load(key_ptr + i * s_kn + h * s_kh + d)
         v = tl.load(value_ptr + i * s_vn + h * s_vh + d)
         dst = block * s_cb + h * s_ch + off * s_ct + d
@@ -134,11 +136,11 @@ def write_kv_int8_kernel(
     key_ptr, value_ptr, slots_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
     s_kn, s_kh, s_vn, s_vh,
     s_cb, s_ch, s_ct,
-    s_sb, s_sh, s_st,
+    s_sb, s_sh, s_st, num_slots,
     T: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
-    i, h, slot, block, off, d = token_slot(slots_ptr, T, D)
-    if slot >= 0:
+    i, h, live, block, off, d = token_slot(slots_ptr, num_slots, T, D)
+    if live:
         dst = block * s_cb + h * s_ch + off * s_ct + d
         sdst = block * s_sb + h * s_sh + off * s_st
         for which in tl.static_range(2):
@@ -164,11 +166,11 @@ def write_kv_fp8_kernel(
     key_ptr, value_ptr, slots_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
     s_kn, s_kh, s_vn, s_vh,
     s_cb, s_ch, s_ct,
-    s_sb, s_sh, s_st,
+    s_sb, s_sh, s_st, num_slots,
     T: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
-    i, h, slot, block, off, d = token_slot(slots_ptr, T, D)
-    if slot >= 0:  # s_st is unused: one scale per (block, head), the argument list is the int8 kernel's
+    i, h, live, block, off, d = token_slot(slots_ptr, num_slots, T, D)
+    if live:  # s_st is unused: one scale per (block, head), the argument list is the int8 kernel's
         dst = block * s_cb + h * s_ch + off * s_ct + d
         k_s = tl.load(ks_ptr + block * s_sb + h * s_sh)
         v_s = tl.load(vs_ptr + block * s_sb + h * s_sh)
@@ -191,9 +193,12 @@ def _check_write(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     quant: str,
+    validate: bool | None = None,
 ) -> tuple[int, int, int, torch.Tensor]:
-    """Shared checks of the write wrappers; returns (H, T, D) and the slots as int64."""
-    _, h, t, d = check_cache(key_cache, value_cache, quant)
+    """Shared checks of the write wrappers; returns (H, T, D) and the slots as int64. ``validate`` (default: on
+    the CPU only, where it costs no host sync) refuses slots other than -1 or ``[0, N · T)``; unvalidated, the
+    kernels skip such slots (never write outside the pool)."""
+    n, h, t, d = check_cache(key_cache, value_cache, quant)
     if key.ndim != 3 or key.shape != value.shape or tuple(key.shape[1:]) != (h, d):
         raise ShapeError(f"key/value must both be [tokens, {h}, {d}], got {tuple(key.shape)} and {tuple(value.shape)}")
     if slots.shape != (key.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
@@ -204,15 +209,23 @@ def _check_write(
         raise ShapeError("key/value must be contiguous along head_dim")
     if key_cache.stride() != value_cache.stride():
         raise ShapeError("key and value caches must have the same strides (two views of one pool)")
+    if should_validate(validate, slots.device):
+        check_slots(slots, n * t)
     return h, t, d, slots.to(torch.int64)  # 64-bit offsets: block × stride overflows 32 bits past 2 GiB
 
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    *,
+    validate: bool | None = None,
 ) -> None:
     """Scatter ``key, value [n, H, D]`` into ``key_cache, value_cache [N, H, T, D]`` at ``slots [n]``
-    (slot = block · T + offset; ``-1`` skips the token)."""
-    h, t, d, slots = _check_write(key, value, slots, key_cache, value_cache, "none")
+    (slot = block · T + offset; ``-1`` skips the token; ``validate`` as in :func:`_check_write`)."""
+    h, t, d, slots = _check_write(key, value, slots, key_cache, value_cache, "none", validate)
     if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
         raise DTypeError(f"key/value dtype {key.dtype} does not match the cache's {key_cache.dtype}")
     if key.shape[0] == 0:
@@ -220,7 +233,7 @@ def write_kv(
     write_kv_kernel[(key.shape[0], h)](
         key, value, slots, key_cache, value_cache,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.shape[0] * t,
         T=t, D=d,
     )  # fmt: skip
 
@@ -233,11 +246,12 @@ def write_quantized(
     codes: tuple[torch.Tensor, torch.Tensor],
     scales: tuple[torch.Tensor, torch.Tensor],
     quant: str,
+    validate: bool | None = None,
 ) -> None:
     """Launch a quantizing write kernel (``write_kv_int8_kernel`` or ``write_kv_fp8_kernel``): checks the codes
     like a cache and the scales against the scheme's layout (int8: fp16 ``[N, H, T]``; fp8: fp32 ``[N, H]``),
     then one program per (token, KV head)."""
-    h, t, d, slots = _check_write(key, value, slots, codes[0], codes[1], quant)
+    h, t, d, slots = _check_write(key, value, slots, codes[0], codes[1], quant, validate)
     dtype, ndim = (torch.float16, 3) if quant == "int8" else (torch.float32, 2)
     if quant == "fp8":
         check_fp8(key.device)
@@ -253,7 +267,7 @@ def write_quantized(
         key, value, slots, codes[0], codes[1], ks, vs,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         codes[0].stride(0), codes[0].stride(1), codes[0].stride(2),
-        *scale_strides,
+        *scale_strides, codes[0].shape[0] * t,
         T=t, D=d,
     )  # fmt: skip
 
@@ -266,12 +280,14 @@ def write_kv_int8(
     value_codes: torch.Tensor,
     key_scale: torch.Tensor,
     value_scale: torch.Tensor,
+    *,
+    validate: bool | None = None,
 ) -> None:
     """Reshape-and-cache with int8 quantization on write (per token and head, fp16 scale): the streaming int8
     path of the quantized pool. ``*_codes [N, H, T, D]`` int8, ``*_scale [N, H, T]`` fp16. Ties round half up
     (torch rounds half to even: codes can differ by one at exact halves from ``torch.round``)."""
     write_quantized(write_kv_int8_kernel, key, value, slots, (key_codes, value_codes), (key_scale, value_scale),
-                    "int8")  # fmt: skip
+                    "int8", validate)  # fmt: skip
 
 
 def write_kv_fp8(
@@ -282,6 +298,8 @@ def write_kv_fp8(
     value_codes: torch.Tensor,
     key_scale: torch.Tensor,
     value_scale: torch.Tensor,
+    *,
+    validate: bool | None = None,
 ) -> None:
     """Reshape-and-cache into fp8 e4m3 blocks (codes as uint8 ``[N, H, T, D]``) with the per-(block, head)
     scales ``[N, H]`` fp32 already in place. The caller grows a scale, and re-encodes its block, before a token
@@ -289,7 +307,7 @@ def write_kv_fp8(
     exactly ``memos_ref.quant.fp8.fp8_encode``. The scales follow the package's one fp8 law:
     ``memos_ref.quant.fp8.fp8_block_scale`` for streamed blocks, ``fp8_scale`` for sealed ones."""
     write_quantized(write_kv_fp8_kernel, key, value, slots, (key_codes, value_codes), (key_scale, value_scale),
-                    "fp8")  # fmt: skip
+                    "fp8", validate)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- checks
