@@ -1,4 +1,4 @@
-"""The README's generated figures agree with the committed benchmark results (memos_ref.bench.report)."""
+"""The generated figures of the README and docs/ agree with the committed benchmark results (memos_ref.bench.report)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
-    """A copy of the README, pyproject and results/ to edit freely."""
+    """A copy of the README, docs/, pyproject and results/ to edit freely."""
     for name in ("README.md", "pyproject.toml"):
         shutil.copy(ROOT / name, tmp_path / name)
     shutil.copytree(ROOT / "results", tmp_path / "results")
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
     return tmp_path
 
 
@@ -29,13 +30,46 @@ def test_readme_agrees_with_committed_results() -> None:
 
 
 def test_every_block_is_used_and_every_result_is_read() -> None:
-    text = (ROOT / "README.md").read_text()
-    used = set(report.blocks_in(text))
-    assert used == set(report.BLOCKS), f"README blocks {sorted(used)} vs renderers {sorted(report.BLOCKS)}"
-    stems = set()
+    used = [name for path in report.targets(ROOT) for name in report.blocks_in(path.read_text())]
+    assert len(used) == len(set(used)), f"a block appears twice: {sorted(used)}"
+    modules = {name for name in used if name not in report.BLOCKS}
+    assert all(report.module_renderer(name) for name in modules), f"blocks without a renderer: {sorted(modules)}"
+    assert set(used) - modules == set(report.BLOCKS), f"blocks {sorted(used)} vs renderers {sorted(report.BLOCKS)}"
+    stems = set(modules)
     for stem, _ in report.BLOCKS.values():
         stems |= {stem} if isinstance(stem, str) else set(stem)
     assert stems == set(report.load_results(ROOT))
+
+
+def test_the_readme_keeps_only_the_front_door_tables() -> None:
+    """The README holds the path and headline blocks; every other table lives in docs/results.md."""
+    readme = (ROOT / "README.md").read_text()
+    assert report.blocks_in(readme) == ["path", "headline"]
+    assert len(readme.splitlines()) <= 300
+    headline = readme.split("<!-- results:headline -->\n")[1].split("<!-- /results:headline -->")[0]
+    assert len(headline.strip().splitlines()) <= 10
+    results_page = (ROOT / "docs" / "results.md").read_text()
+    assert {"waste", "claims", "notebook-claims", "quant-real"} <= set(report.blocks_in(results_page))
+
+
+def test_a_bench_module_with_render_markdown_adds_a_table_in_one_line(repo: Path, monkeypatch) -> None:
+    import sys
+    import types
+
+    module = types.ModuleType("memos_ref.bench.fakebench")
+    module.render_markdown = lambda r: f"| nodes |\n|---|\n| {r['summary']['nodes']} |"
+    monkeypatch.setitem(sys.modules, "memos_ref.bench.fakebench", module)
+    data = json.loads((repo / "results" / "waste.json").read_text())
+    data["summary"] = {"nodes": 7}
+    (repo / "results" / "fakebench.json").write_text(json.dumps(data))
+    page = repo / "docs" / "results.md"
+    page.write_text(page.read_text() + "\n<!-- results:fakebench -->\n<!-- /results:fakebench -->\n")
+    assert report.check(repo) == ["fakebench"]
+    assert report.render(repo) == ["fakebench"]
+    assert "| 7 |" in page.read_text() and "`results/fakebench.json`" in page.read_text()
+    assert report.check(repo) == []
+    with pytest.raises(ConfigError, match="render_markdown"):  # a name with neither a block nor a module
+        report.render_text("<!-- results:nomodule -->\n<!-- /results:nomodule -->", report.load_results(repo))
 
 
 def test_a_changed_result_makes_the_check_fail(repo: Path) -> None:
@@ -49,7 +83,7 @@ def test_a_changed_result_makes_the_check_fail(repo: Path) -> None:
 
 
 def test_a_hand_typed_figure_inside_a_block_makes_the_check_fail(repo: Path) -> None:
-    readme = repo / "README.md"
+    readme = repo / "docs" / "results.md"
     text = readme.read_text()
     start = text.index("<!-- results:waste -->")
     pos = text.index("70.52%", start)
@@ -97,8 +131,8 @@ def test_adopt_stores_an_earlier_run_with_its_date_and_no_load(repo: Path, tmp_p
     stored = json.loads(out.read_text())
     assert stored["recorded"]["commit"] == "abc" and stored["recorded"]["load_1m_before"] is None
     assert "load not recorded" in report.provenance(stored, "waste")
-    # the provenance lines changed (the waste table's, and the claims ledger's that reads it): render again
-    assert report.check(repo) == ["waste", "claims"]
+    # the provenance lines changed (the waste table's, and the headline's and the claims ledger's that read it)
+    assert sorted(report.check(repo)) == ["claims", "headline", "waste"]
     del data["summary"]
     earlier.write_text(json.dumps(data))
     with pytest.raises(CorruptCacheError, match="missing keys"):
@@ -164,7 +198,7 @@ def test_record_notebooks_stores_what_each_notebook_measured(repo: Path) -> None
     ]
     assert data["summary"]["verdicts"] == {"reproduced": 2, "not reproduced": 2}
     text = report._notebook_claims(data)
-    assert "[00](notebooks/00_tiny.ipynb)" in text and "4 claims checked by 2 notebooks" in text
+    assert "[00](../notebooks/00_tiny.ipynb)" in text and "4 claims checked by 2 notebooks" in text
     # --only reruns one notebook and keeps the other's rows
     (folder / "01_other.ipynb").unlink()
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")]), folder / "01_other.ipynb")

@@ -1,16 +1,17 @@
-"""README figures generated from committed benchmark results, never typed.
+"""README and reference-page figures generated from committed benchmark results, never typed.
 
 A benchmark run is recorded into ``results/<stem>.json``: the benchmark's own JSON (its ``machine``, ``config``,
 ``results`` and ``summary``) plus a ``recorded`` block (UTC date, commit, the 1-minute load average before and
-after, the exact command). The README holds generated blocks between markers::
+after, the exact command). The README (its headline table) and the reference pages under ``docs/`` (every other
+table, in ``docs/results.md``) hold generated blocks between markers::
 
     <!-- results:waste -->
     ... generated markdown ...
     <!-- /results:waste -->
 
-``render`` rewrites every block from the recorded results; ``--check`` only compares and exits 1 on any
-difference (``tests/test_readme_results.py`` runs it, so a README figure that disagrees with the committed
-results fails ``make test``)::
+``render`` rewrites every block of README.md and ``docs/*.md`` from the recorded results; ``--check`` only
+compares and exits 1 on any difference (``tests/test_readme_results.py`` runs it, so a figure that disagrees with
+the committed results fails ``make test``)::
 
     python -m memos_ref.bench.report record waste            # runs `python -m memos_ref.bench waste --json`
     python -m memos_ref.bench.report record quant --model smollm2-135m-instruct
@@ -23,12 +24,17 @@ results fails ``make test``)::
 
 A block's renderer names the result file it reads (:data:`BLOCKS`); each block ends with a provenance line
 (date, machine, load, command), so a reader sees what the numbers were measured on.
+
+A benchmark module can render its own table: if ``memos_ref.bench.NAME`` defines ``render_markdown(result)``,
+a block ``<!-- results:NAME -->`` (empty at first) in ``docs/results.md`` is filled from ``results/NAME.json`` by
+that function — adding a table is one line there (:func:`module_renderer`).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib
 import json
 import os
 import re
@@ -46,6 +52,7 @@ __all__ = [
     "blocks_in",
     "check",
     "load_results",
+    "module_renderer",
     "notebook_paths",
     "provenance",
     "record",
@@ -53,6 +60,7 @@ __all__ = [
     "render",
     "render_block",
     "render_text",
+    "targets",
 ]
 
 Report = dict[str, Any]
@@ -167,16 +175,21 @@ def _read_claims(path: Path) -> list[dict[str, str]]:
 
 
 def notebook_paths(folder: Path, only: list[str] | None = None) -> list[Path]:
-    """The notebooks ``NN_name.ipynb`` in ``folder``, in order; ``only``: their two-digit numbers (an unknown
+    """The notebooks ``NN_name.ipynb`` (or ``NNx_name.ipynb``, a chapter added between two numbers, e.g.
+    ``05b_...``) in ``folder``, by name; ``only``: their numbers, the part before the first ``_`` (an unknown
     number raises :class:`~memos_ref.errors.ConfigError` naming the ones there are)."""
-    paths = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
+    paths = sorted(p for p in folder.glob("[0-9][0-9]*_*.ipynb") if re.fullmatch(r"[0-9]{2}[a-z]?", _number(p)))
     if only:
         wanted = {n.zfill(2) for n in only}
-        unknown = wanted - {p.name[:2] for p in paths}
+        unknown = wanted - {_number(p) for p in paths}
         if unknown:
-            raise ConfigError(f"--only: no notebook numbered {sorted(unknown)}; have {[p.name[:2] for p in paths]}")
-        paths = [p for p in paths if p.name[:2] in wanted]
+            raise ConfigError(f"--only: no notebook numbered {sorted(unknown)}; have {[_number(p) for p in paths]}")
+        paths = [p for p in paths if _number(p) in wanted]
     return paths
+
+
+def _number(path: Path) -> str:
+    return path.name.split("_", 1)[0]
 
 
 def record_notebooks(
@@ -659,7 +672,7 @@ def _notebook_claims(r: Report) -> str:
     """Every claims-table row the notebooks computed, grouped by notebook, with the verdict code chose."""
     body = []
     for row in r["results"]:
-        link = f"[{row['notebook'][:2]}](notebooks/{row['notebook']}.ipynb)"
+        link = f"[{row['notebook'][:2]}](../notebooks/{row['notebook']}.ipynb)"  # from docs/
         cells = [row["source"], row["claim"], row["measured"]]
         body.append([link, *(_md_cell(c) for c in cells), f"**{row['verdict']}**"])
     table = _table(["notebook", "source", "claim", "measured here", "verdict"], body, align="lllll")
@@ -825,7 +838,7 @@ def _claim_codecs(res: dict[str, Report]) -> str:
     c = res["tiering"]["summary"]["codec_ratio"]
     return (
         f"real KV (fp16): LZ4 {c['lz4']:.2f}×, Zstd-3 {c['zstd-3']:.2f}×, Zstd-3 after a byte shuffle"
-        f" {c['zstd-3+shuffle']:.2f}× — nowhere near the claimed ratios; DESIGN §7 expected 1.0–1.4×"
+        f" {c['zstd-3+shuffle']:.2f}× — nowhere near the claimed ratios"
     )
 
 
@@ -904,7 +917,7 @@ _CLAIMS: list[tuple[str, str, Callable[[dict[str, Report]], str], str]] = [
     ("seed 001 §4.2", "LZ4 2.1×, Zstd 3.3×, Delta+RL 4.5× on a 7B model", _claim_codecs, "`bench tiering`"),
     ("seed 001 §3.1", "prefetch window 3→5: +18% throughput", _claim_prefetch, "`bench tiering`"),
     (
-        "seed 000, seed 003, DESIGN §9",
+        "seed 000, seed 003",
         "a cache makes decode O(n); `[H,S,D]` beats `[S,H,D]` by 50%; DynamicCache 1.54× StaticCache at 4k",
         _claim_decode,
         "`bench decode --quick`",
@@ -962,6 +975,51 @@ def _tiering_prefetch(r: Report) -> str:
     )
 
 
+def _headline(res: dict[str, Report]) -> str:
+    """The README's headline: one line per idea, each from a recorded result (exact counts where possible)."""
+    waste, sharing = res["waste"]["summary"], res["sharing"]["summary"]
+    agent = res["agent"]["summary"]["multi_agent"]
+    quant = res["quant_smollm2-135m-instruct"]["summary"]
+    verdicts = res["notebooks"]["summary"]["verdicts"]
+    counted = ", ".join(f"{n} {v}" for v, n in sorted(verdicts.items(), key=lambda kv: -kv[1]))
+    body = [
+        [
+            "KV memory wasted (1,000 agent sessions)",
+            f"{waste['reserve_max_waste_percent']:.1f}% reserving the maximum, "
+            f"{waste['block_16_waste_percent']:.2f}% in 16-token blocks",
+        ],
+        [
+            "16 sub-agents on one 8,192-token prompt",
+            f"{sharing['blocks_ratio_16x8192']:.0f}× fewer KV blocks with refcounted sharing",
+        ],
+        [
+            "multi-agent trace, prefix reuse",
+            f"{100 * agent['prefill_tokens_saved_fraction']:.0f}% of prefill tokens skipped, peak KV "
+            f"{agent['peak_blocks_ratio']:.2f}×",
+        ],
+        [
+            "SmolLM2-135M, int8 KV per token",
+            f"{quant['int8_token']['bytes_per_token_ratio']:.3f}× the bytes of fp16, perplexity "
+            f"{quant['int8_token']['ppl_delta_pct']:+.2f}%",
+        ],
+        ["notebook claims, verdicts computed", counted],
+    ]
+    return _table(["measured", "result"], body, align="ll")
+
+
+def _path(r: Report) -> str:
+    """ "Start with notebook 00": the whole path's run time, from the notebooks' recorded durations."""
+    seconds = r["summary"]["seconds"]
+    total = sum(seconds.values())
+    return (
+        f"**Start with notebook 00: about {max(1, round(total / 60))} minutes for the whole path** run top to bottom "
+        f"({len(seconds)} notebooks, {min(seconds.values()):.0f}–{max(seconds.values()):.0f} s each as measured), "
+        "plus your reading and the exercises."
+    )
+
+
+_HEADLINE_STEMS = ("waste", "sharing", "agent", "quant_smollm2-135m-instruct", "notebooks")
+
 BLOCKS: dict[str, tuple[str | tuple[str, ...], Callable[[Any], str]]] = {
     "waste": ("waste", _waste),
     "sharing": ("sharing", _sharing),
@@ -979,6 +1037,8 @@ BLOCKS: dict[str, tuple[str | tuple[str, ...], Callable[[Any], str]]] = {
     "quant-real": ("quant_smollm2-135m-instruct", _quant),
     "notebook-claims": ("notebooks", _notebook_claims),
     "claims": (_CLAIM_STEMS, _claims_ledger),
+    "headline": (_HEADLINE_STEMS, _headline),
+    "path": ("notebooks", _path),
 }
 """README block name → (result file stem, renderer of that report) or (stems, renderer of ``{stem: report}``)."""
 
@@ -988,11 +1048,33 @@ def blocks_in(text: str) -> list[str]:
     return [m[1] for m in _MARKER.finditer(text)]
 
 
+def module_renderer(name: str) -> Callable[[Report], str] | None:
+    """``memos_ref.bench.NAME.render_markdown`` when that module exists and defines it, else None."""
+    if not re.fullmatch(r"[a-z0-9_]+", name):
+        return None
+    try:
+        module = importlib.import_module(f"memos_ref.bench.{name}")
+    except ImportError:
+        return None
+    fn = getattr(module, "render_markdown", None)
+    return fn if callable(fn) else None
+
+
+def _renderer(name: str) -> tuple[str | tuple[str, ...], Callable[[Any], str]]:
+    if name in BLOCKS:
+        return BLOCKS[name]
+    fn = module_renderer(name)
+    if fn is None:
+        raise ConfigError(
+            f"results block {name}: expected one of {sorted(BLOCKS)}, or a benchmark module "
+            f"memos_ref.bench.{name} with render_markdown(result)"
+        )
+    return name, fn
+
+
 def render_block(name: str, results: dict[str, Report]) -> str:
-    """The generated markdown of one README block (table + provenance line)."""
-    if name not in BLOCKS:
-        raise ConfigError(f"README block results:{name}: expected one of {sorted(BLOCKS)}")
-    stems, fn = BLOCKS[name]
+    """The generated markdown of one results block (table + provenance line)."""
+    stems, fn = _renderer(name)
     for stem in (stems,) if isinstance(stems, str) else stems:
         if stem not in results:
             raise ConfigError(
@@ -1016,20 +1098,30 @@ def render_text(text: str, results: dict[str, Report]) -> str:
     )
 
 
-def render(root: Path | None = None, *, write: bool = True) -> list[str]:
-    """Regenerate README.md's blocks; returns the names of blocks whose text changed."""
+def targets(root: Path | None = None) -> list[Path]:
+    """The files whose results blocks are generated: README.md, then every ``docs/*.md`` in name order."""
     root = root or _root()
-    readme = root / "README.md"
-    text = readme.read_text()
-    new = render_text(text, load_results(root))
-    changed = [m[1] for m, n in zip(_MARKER.finditer(text), _MARKER.finditer(new), strict=True) if m[0] != n[0]]
-    if write and new != text:
-        readme.write_text(new)
+    docs = root / "docs"
+    return [root / "README.md", *(sorted(docs.glob("*.md")) if docs.is_dir() else [])]
+
+
+def render(root: Path | None = None, *, write: bool = True) -> list[str]:
+    """Regenerate the results blocks of every :func:`targets` file; returns the names of blocks whose text
+    changed (README's first, then each docs page's, in order)."""
+    root = root or _root()
+    results = load_results(root)
+    changed: list[str] = []
+    for path in targets(root):
+        text = path.read_text()
+        new = render_text(text, results)
+        changed += [m[1] for m, n in zip(_MARKER.finditer(text), _MARKER.finditer(new), strict=True) if m[0] != n[0]]
+        if write and new != text:
+            path.write_text(new)
     return changed
 
 
 def check(root: Path | None = None) -> list[str]:
-    """Names of README blocks that disagree with the committed results (empty when all agree)."""
+    """Names of results blocks that disagree with the committed results (empty when all agree)."""
     return render(root, write=False)
 
 
@@ -1063,9 +1155,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         stale = check()
         if stale:
-            print(f"README blocks disagree with results/: {stale}; run `python -m memos_ref.bench.report render`")
+            print(f"results blocks disagree with results/: {stale}; run `python -m memos_ref.bench.report render`")
             return 1
-        print("README results blocks agree with results/")
+        print("README and docs/ results blocks agree with results/")
         return 0
     print(f"rewrote {render() or 'nothing'}")
     return 0
