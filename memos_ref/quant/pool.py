@@ -112,7 +112,11 @@ class QuantizedBlockPool:
             staging_blocks = 0 if self.streaming else max(8, num_blocks // 4)
         self.staging = torch.zeros((staging_blocks, *spec.block_shape), dtype=spec.dtype, device=self.device)
         self._staging_free = list(range(staging_blocks - 1, -1, -1))
-        self.staging_slot = torch.full((num_blocks,), -1, dtype=torch.long)  # block -> slab row, -1 = sealed
+        # block -> slab row, -1 = sealed: the host's map (bookkeeping reads it per block, free on the CPU), and
+        # its copy on the pool's device for the kernels (:attr:`device_staging_slot`), refreshed when stale
+        self.staging_slot = torch.full((num_blocks,), -1, dtype=torch.long)
+        self._slot_device = torch.full((num_blocks,), -1, dtype=torch.long, device=self.device)
+        self._slot_stale = False
         # per block: how many live sequences hold it inside their residual window (they read it at full
         # precision); a block is sealed only when none does (see SequenceCache and the module docstring)
         self.window_holds = torch.zeros((num_blocks,), dtype=torch.int32)
@@ -156,6 +160,15 @@ class QuantizedBlockPool:
         """Full-precision staging blocks in all."""
         return self.staging.shape[0]
 
+    @property
+    def device_staging_slot(self) -> torch.Tensor:
+        """The block -> staging row map ``[N]`` (int64, -1: sealed) on the pool's device, for kernels: one tensor
+        for the pool's life (a CUDA graph can hold it), refreshed from the host map only after it changed."""
+        if self._slot_stale:
+            self._slot_device.copy_(self.staging_slot)
+            self._slot_stale = False
+        return self._slot_device
+
     def is_staged(self, block: int) -> bool:
         return int(self.staging_slot[block]) >= 0
 
@@ -171,6 +184,7 @@ class QuantizedBlockPool:
                 for layer in range(self.spec.num_layers):
                     self.staging[slot, layer] = self.codec.decode(self.payload, idx, layer)[0].to(self.spec.dtype)
             self.staging_slot[block] = slot
+            self._slot_stale = True
         return slot
 
     def on_block_event(self, event: BlockEvent) -> None:
@@ -187,6 +201,7 @@ class QuantizedBlockPool:
         slot = int(self.staging_slot[block])
         if slot >= 0:
             self.staging_slot[block] = -1
+            self._slot_stale = True
             self._staging_free.append(slot)
 
     # ------------------------------------------------------------------ writes
@@ -347,8 +362,14 @@ class QuantizedBlockPool:
         self.release(block)
 
     def kernel_args(self, layer: int) -> dict[str, object]:
-        """The ``memos_kernels`` arguments of one layer's sealed blocks (views; see the scheme's codec)."""
-        return self.codec.kernel_args(self.payload, check_layer(self.spec, layer))
+        """The ``memos_kernels`` arguments of one layer (views; see the scheme's codec), every tensor on the pool's
+        device: the sealed blocks' payload and, for a pool with a residual window, ``staging`` (the layer's slab
+        ``[S, 2, H, T, D]``) and ``staging_slot`` (:attr:`device_staging_slot`)."""
+        layer = check_layer(self.spec, layer)
+        args = self.codec.kernel_args(self.payload, layer)
+        if not self.streaming:
+            args = {**args, "staging": self.staging[:, layer], "staging_slot": self.device_staging_slot}
+        return args
 
     def stats(self) -> dict[str, int]:
         return {
