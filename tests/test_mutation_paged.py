@@ -1,0 +1,184 @@
+"""Sequences after a truncate (issue 30's survivors): what a refilled block is registered under, set_token_ids over
+registered blocks, and blocks_needed when the tail left by a truncate is shared or in the prefix index. The oracle
+for hashes is block_hashes() of the sequence's tokens; for K/V, the tensors the test wrote."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memos_ref.errors import InvalidArgumentError
+from memos_ref.paged import PagedKV, block_hashes
+from memos_ref.spec import KVSpec
+
+T = 8
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, block_size=T)
+FP = "model-m"
+
+
+def _append(seq, ids, gen):
+    """Append len(ids) tokens with the given ids to every layer; return layer 0's K [H, n, D]."""
+    first = None
+    for layer in range(SPEC.num_layers):
+        k, v = torch.randn(2, 2, len(ids), 4, generator=gen).unbind(0)
+        seq.append(layer, k, v, list(ids))
+        first = k if first is None else first
+    return first
+
+
+def _registered(kv, seq):
+    """The hash the allocator's index holds for each of the sequence's blocks (None: not indexed)."""
+    return [kv.allocator.hash_of(b) for b in seq.block_table]
+
+
+def test_a_block_refilled_after_truncate_is_registered_under_its_new_tokens_and_the_old_entry_keeps_old_kv():
+    """Truncating into a registered block and writing other tokens there never changes what the old hash serves:
+    the refilled block is a private copy registered under the hash of its new tokens, and a later prompt with the
+    old tokens still gets the old K/V."""
+    kv, gen = PagedKV(SPEC, 32, fingerprint=FP), torch.Generator().manual_seed(11)
+    old = list(range(100, 124))  # 3 full blocks
+    seq = kv.new_sequence()
+    k_old = _append(seq, old, gen)
+    old_hashes = block_hashes(old, T, fingerprint=FP)
+    assert _registered(kv, seq) == old_hashes
+    old_third = seq.block_table[2]
+    seq.truncate(20)  # into block 2, which stays in the prefix index
+    new = old[:20] + [900, 901, 902, 903]
+    _append(seq, new[20:], gen)
+    new_hashes = block_hashes(new, T, fingerprint=FP)
+    assert new_hashes[:2] == old_hashes[:2] and new_hashes[2] != old_hashes[2]
+    assert seq.block_table[2] != old_third  # copied on write, not overwritten in place
+    assert _registered(kv, seq) == new_hashes
+    assert kv.allocator.hash_of(old_third) == old_hashes[2]  # the old entry still names the old block
+    kv.check()
+    again = kv.start_from_prefix([*old, 5])
+    assert again.num_tokens == 24 and again.block_table[2] == old_third
+    k_again, _ = again.to_dense(0)
+    torch.testing.assert_close(k_again[:, 16:24], k_old[:, 16:24])  # the old tokens' K/V, not the new ones
+    fresh = kv.start_from_prefix([*new, 5])
+    assert fresh.num_tokens == 24 and fresh.block_table == seq.block_table
+    kv.check()
+
+
+def test_refilling_with_the_same_tokens_keeps_one_entry_per_hash_and_the_chain_continues():
+    """Truncate into a registered block, then write the same ids back (a copy-on-write private block): the index
+    keeps exactly one block under that chained hash (the original), a lookup of the prompt still finds all three
+    blocks, and the next full block is registered under the hash chained through the same ids."""
+    kv, gen = PagedKV(SPEC, 32, fingerprint=FP), torch.Generator().manual_seed(12)
+    ids = list(range(200, 224))
+    seq = kv.new_sequence()
+    _append(seq, ids, gen)
+    hashes = block_hashes(ids, T, fingerprint=FP)
+    third = seq.block_table[2]
+    seq.truncate(19)
+    assert seq.num_registered == 2
+    _append(seq, ids[19:], gen)
+    assert seq.num_registered == 3
+    indexed = kv.allocator.indexed_blocks()
+    assert [b for b, h in indexed.items() if h == hashes[2]] == [third]  # one block per hash
+    assert kv.start_from_prefix([*ids, 1]).block_table == [*seq.block_table[:2], third]
+    more = list(range(700, 708))
+    _append(seq, more, gen)
+    assert kv.allocator.hash_of(seq.block_table[3]) == block_hashes(ids + more, T, fingerprint=FP)[3]
+    kv.check()
+
+
+def test_truncating_to_a_block_boundary_then_refilling_registers_the_next_block_under_the_new_chain():
+    """A truncate that drops a whole registered block, then other tokens: the new block's hash chains from the
+    kept blocks and the new ids (block_hashes of the new prompt)."""
+    kv, gen = PagedKV(SPEC, 32, fingerprint=FP), torch.Generator().manual_seed(13)
+    ids = list(range(300, 324))
+    seq = kv.new_sequence()
+    _append(seq, ids, gen)
+    seq.truncate(16)
+    new = ids[:16] + list(range(600, 608))
+    _append(seq, new[16:], gen)
+    assert _registered(kv, seq) == block_hashes(new, T, fingerprint=FP)
+    kv.check()
+
+
+def test_set_token_ids_cannot_rewrite_a_registered_block_and_a_refusal_changes_nothing():
+    """Ids of positions inside blocks already in the prefix index cannot change (the index would serve K/V under
+    tokens it was not computed from): a differing id at the last position of the last registered block is refused
+    and nothing changes; the same ids are accepted; the first position after the registered blocks can change."""
+    kv, gen = PagedKV(SPEC, 32, fingerprint=FP), torch.Generator().manual_seed(14)
+    ids = list(range(100, 120))  # 2 full blocks registered + 4 tokens
+    seq = kv.new_sequence()
+    _append(seq, ids, gen)
+    assert seq.num_registered == 2
+    before_ids, before_index = list(seq.token_ids), dict(kv.allocator.indexed_blocks())
+    with pytest.raises(InvalidArgumentError, match="prefix cache"):
+        seq.set_token_ids([ids[15] + 1], start=15)
+    with pytest.raises(InvalidArgumentError, match="prefix cache"):
+        seq.set_token_ids([*ids[:15], 7, 8, 9], start=0)  # a span ending past the registered blocks
+    assert seq.token_ids == before_ids and dict(kv.allocator.indexed_blocks()) == before_index
+    seq.set_token_ids(ids[8:16], start=8)  # the same ids: fine
+    seq.set_token_ids([42, 43], start=16)  # block 2 is not registered: its ids may change
+    assert seq.token_ids[16:18] == [42, 43] and seq.token_ids[:16] == ids[:16]
+    kv.check()
+
+
+def test_set_token_ids_over_a_truncated_registered_block_is_allowed_and_registers_the_new_chain():
+    """After truncate() the block is no longer the sequence's registered block: new ids may be recorded there,
+    and once it is full again it is registered under the new chain."""
+    kv, gen = PagedKV(SPEC, 32, fingerprint=FP), torch.Generator().manual_seed(15)
+    ids = list(range(100, 124))
+    seq = kv.new_sequence()
+    _append(seq, ids, gen)
+    seq.truncate(20)
+    seq.set_token_ids([7, 7, 7, 7], start=16)
+    _append(seq, [8, 8, 8, 8], gen)
+    want = ids[:16] + [7, 7, 7, 7, 8, 8, 8, 8]
+    assert seq.token_ids == want
+    assert _registered(kv, seq) == block_hashes(want, T, fingerprint=FP)
+    kv.check()
+
+
+def _allocated_by_reserve(seq, n: int) -> int:
+    """Blocks a reserve(n) takes from the allocator: new table entries plus copy-on-write copies."""
+    blocks, copies = len(seq.block_table), seq.cow_copies
+    seq.reserve(n)
+    return len(seq.block_table) - blocks + seq.cow_copies - copies
+
+
+@pytest.mark.parametrize("n", [1, 4, 5, 12])
+def test_blocks_needed_counts_the_copy_of_an_indexed_tail_left_by_truncate(n):
+    """After a truncate leaves a partly filled tail that is still in the prefix index, the next reserve copies it
+    first: blocks_needed(n) says so, exactly what reserve(n) then allocates (an admission check relies on it)."""
+    kv, gen = PagedKV(SPEC, 32, fingerprint=FP), torch.Generator().manual_seed(16)
+    seq = kv.new_sequence()
+    _append(seq, list(range(100, 124)), gen)
+    seq.truncate(20)
+    assert seq.block_table[-1] in kv.allocator.indexed_blocks()
+    want = seq.blocks_needed(n)
+    assert want == -(-(20 + n) // T) - 3 + 1
+    assert _allocated_by_reserve(seq, n) == want
+
+
+@pytest.mark.parametrize("n", [1, 4, 5])
+def test_blocks_needed_counts_the_copy_of_a_shared_tail_left_by_truncate(n):
+    """A fork shares the tail; after the parent truncates into it, reserving copies it: blocks_needed counts it."""
+    kv, gen = PagedKV(SPEC, 32), torch.Generator().manual_seed(17)
+    seq = kv.new_sequence()
+    _append(seq, list(range(100, 124)), gen)
+    child = seq.fork()
+    seq.truncate(20)
+    want = seq.blocks_needed(n)
+    assert want == -(-(20 + n) // T) - 3 + 1
+    assert _allocated_by_reserve(seq, n) == want
+    child.free()
+
+
+@pytest.mark.parametrize("n", [1, 4, 5])
+def test_blocks_needed_after_truncate_with_a_private_unindexed_tail_is_just_new_blocks(n):
+    """No prefix ids, no fork: the truncated tail is private and writable in place, so no copy is counted."""
+    kv, gen = PagedKV(SPEC, 32), torch.Generator().manual_seed(18)
+    seq = kv.new_sequence()
+    for layer in range(SPEC.num_layers):
+        k = torch.randn(2, 24, 4, generator=gen)
+        seq.append(layer, k, k)  # no token ids: nothing is registered
+    seq.truncate(20)
+    assert seq.block_table[-1] not in kv.allocator.indexed_blocks()
+    want = seq.blocks_needed(n)
+    assert want == -(-(20 + n) // T) - 3
+    assert _allocated_by_reserve(seq, n) == want
