@@ -4,6 +4,13 @@ Each step: admit waiting requests while blocks allow (prefill each, reusing cach
 *one* batched decode step for every running request — sequences of different lengths in one forward, each
 row attending over its own pages — then retire finished requests. Requests join and leave between steps.
 
+With a tier manager attached to the pool (:class:`~memos_ref.tiering.manager.TierManager`), a prompt's blocks
+found in a tier are reloaded instead of prefilled; tiers that can fetch many blocks in one round (the cluster tier's
+``read_ahead``) are asked for the whole prompt first. ``publish_to`` names a tier every newly prefilled full
+block is written to at once (write-through): another process sharing that tier (a Redis Cluster) then reloads
+the prefix instead of computing it. Nothing a tier does raises into a request: failures are counted in
+``tier_counts``.
+
 When a decode step cannot get a block, the engine **preempts** the most recently admitted request (policy
 ``"recompute"``: its blocks are released and it is re-queued with everything it generated so far as its
 prompt, to be prefilled again later — prefix-cached blocks usually make that cheap). Preemptions are counted.
@@ -16,7 +23,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,16 +140,22 @@ class Engine:
         model: a :class:`~memos_ref.model.llama.LlamaForward`.
         kv: the paged memory (single-segment pool).
         max_batch: most requests decoded together.
+        publish_to: the name of a tier of the attached tier manager's store to write each newly prefilled full
+            block to (None: blocks reach the tiers only when evicted or swapped out).
     """
 
-    def __init__(self, model: Any, kv: PagedKV, max_batch: int = 16) -> None:
+    def __init__(self, model: Any, kv: PagedKV, max_batch: int = 16, *, publish_to: str | None = None) -> None:
         if not callable(model) or not isinstance(getattr(getattr(model, "config", None), "vocab_size", None), int):
             raise ArgumentTypeError(
                 f"model: expected the package's LlamaForward (memos_ref.model.load_model()), got {type(model).__name__}"
             )
         check_type("kv", kv, PagedKV)
         check_index("max_batch", max_batch, lo=1)
+        check_type("publish_to", publish_to, (str, type(None)))
         self.model, self.kv, self.max_batch = model, kv, max_batch
+        self.publish_to = publish_to
+        #: read_ahead_blocks / published_blocks / publish_dropped / tier_errors: what the engine asked of tiers
+        self.tier_counts: Counter[str] = Counter()
         self.vocab_size: int = model.config.vocab_size
         self.waiting: deque[Request] = deque()
         self.running: list[tuple[Request, SequenceCache]] = []
@@ -237,9 +250,11 @@ class Engine:
                 return  # wait for blocks
             seq: SequenceCache | None = None
             try:
+                self._read_ahead(ids)
                 seq = self.kv.start_from_prefix(ids)
                 logits, reused = self._prefill(seq, ids)
                 token = self._sample(request, logits[0, -1])
+                self._publish(seq, len(ids), reused)
             except CapacityExceededError as exc:  # not the request's fault: it waits at the head of the queue
                 if seq is not None:
                     seq.free()
@@ -273,6 +288,57 @@ class Engine:
             logits = self.model(rest, self._rows([seq]), position_ids=torch.arange(reused, len(ids))[None])
         seq.set_token_ids(ids[reused:], start=reused)  # the reused prefix's ids are already recorded
         return logits, reused
+
+    def _tiers(self) -> list[Any]:
+        store = getattr(self.kv.tier_manager, "store", None)
+        return list(getattr(store, "tiers", []))
+
+    def _read_ahead(self, ids: list[int]) -> None:
+        """Ask tiers that fetch in bulk (``read_ahead``) for the prompt's full blocks not on the device: one round
+        per node instead of one per block in the lookup that follows."""
+        tiers = [t for t in self._tiers() if callable(getattr(t.backend, "read_ahead", None))]
+        pc = self.kv.prefix_cache
+        if not tiers or pc is None:
+            return
+        t = self.kv.spec.block_size
+        try:
+            hashes = pc.hashes(ids[: (len(ids) - 1) // t * t])
+            keys = [h.hex() for h in hashes if self.kv.allocator.block_with_hash(h) is None]
+            for tier in tiers:
+                if keys:
+                    self.tier_counts["read_ahead_found"] += tier.backend.read_ahead(keys)
+                    self.tier_counts["read_ahead_blocks"] += len(keys)
+        except Exception:  # a tier's failure is a miss, never the request's failure
+            self.tier_counts["tier_errors"] += 1
+
+    def _publish(self, seq: SequenceCache, n_ids: int, reused: int) -> None:
+        """Write the full blocks this prefill computed (not the reused ones) to the ``publish_to`` tier."""
+        tm = self.kv.tier_manager
+        if self.publish_to is None or tm is None:
+            return
+        from memos_ref.tiering.blockfile import encode_block
+
+        try:
+            store = tm.store  # type: ignore[attr-defined]
+            tier = store.tier(self.publish_to)
+            t, items = self.kv.spec.block_size, {}
+            for i in range(reused // t, n_ids // t):
+                block = seq.block_table[i]
+                h = self.kv.allocator.hash_of(block)
+                if h is not None:
+                    items[h.hex()] = encode_block(
+                        self.kv.pool.block(block),
+                        spec=store.spec,
+                        fingerprint=store.fingerprint,
+                        codec=tier.codec,
+                        key=h.hex(),
+                    )
+            if items:
+                stored = sum(tier.backend.put_many(items).values())
+                self.tier_counts["published_blocks"] += stored
+                self.tier_counts["publish_dropped"] += len(items) - stored
+        except Exception:
+            self.tier_counts["tier_errors"] += 1
 
     def _retire_or_keep(self, request: Request, seq: SequenceCache) -> bool:
         """Retire a finished request (its blocks freed); returns True when it keeps running."""
