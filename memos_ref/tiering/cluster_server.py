@@ -80,7 +80,9 @@ class ClusterServer:
     """A private Redis Cluster: ``with ClusterServer() as c: ClusterTierBackend(c.url, fingerprint=...)``.
 
     Args:
-        masters: master nodes (at least 3: ``redis-cli --cluster create`` refuses fewer).
+        masters: master nodes. Three or more are formed with ``redis-cli --cluster create``; one or two (which it
+            refuses) are given the slots with ``CLUSTER ADDSLOTSRANGE`` and joined with ``CLUSTER MEET``, without
+            replicas (the 1-master baseline of ``bench cluster``).
         replicas: replicas per master.
         node_timeout_ms: ``cluster-node-timeout``: how long a silent master takes to be failed over.
         maxmemory: bytes per node, or None for no limit; with ``policy`` (``noeviction``: a full node answers OOM).
@@ -97,8 +99,10 @@ class ClusterServer:
         policy: str = "noeviction",
         seed: int | None = None,
     ) -> None:
-        self.masters = check_index("masters", masters, lo=3, hi=64)
+        self.masters = check_index("masters", masters, lo=1, hi=64)
         self.replicas = check_index("replicas", replicas, lo=0, hi=4)
+        if masters < 3 and replicas:
+            raise ConfigError(f"a cluster of {masters} master(s) is formed without replicas; got replicas={replicas}")
         self.node_timeout_ms = check_index("node_timeout_ms", node_timeout_ms, lo=100, hi=600_000)
         if maxmemory is not None:
             check_index("maxmemory", maxmemory, lo=1 << 20)
@@ -140,18 +144,31 @@ class ClusterServer:
                 self.nodes.append(ClusterNode(port, self._spawn(server, port)))
             for n in self.nodes:
                 self._wait(lambda n=n: _ping(n.port), deadline, f"node {n.port} to answer PING", n)
-            create = [cli, "--cluster", "create", *(n.address for n in self.nodes)]
-            create += ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
-            left = max(1.0, deadline - time.monotonic())
-            done = subprocess.run(create, capture_output=True, text=True, timeout=left, check=False)
-            if done.returncode != 0:
-                raise BackendUnavailableError(f"redis-cli --cluster create failed: {done.stdout[-800:]}{done.stderr}")
+            self._form(cli, deadline)
             self._wait(self.healthy, deadline, "cluster_state:ok on every node")
             self._wait(self.replicas_synced, deadline, "every replica to sync with its master")
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _form(self, cli: str, deadline: float) -> None:
+        if self.masters >= 3:
+            create = [cli, "--cluster", "create", *(n.address for n in self.nodes)]
+            commands = [[*create, "--cluster-replicas", str(self.replicas), "--cluster-yes"]]
+        else:  # redis-cli refuses fewer than 3 masters: split the slots by hand
+            first, step = self.nodes[0].port, 16384 // self.masters
+            commands = []
+            for i, n in enumerate(self.nodes):
+                hi = 16383 if i == self.masters - 1 else (i + 1) * step - 1
+                commands.append([cli, "-p", str(n.port), "cluster", "addslotsrange", str(i * step), str(hi)])
+                if n.port != first:
+                    commands.append([cli, "-p", str(first), "cluster", "meet", "127.0.0.1", str(n.port)])
+        for command in commands:
+            left = max(1.0, deadline - time.monotonic())
+            done = subprocess.run(command, capture_output=True, text=True, timeout=left, check=False)
+            if done.returncode != 0 or "ERR" in done.stdout:
+                raise BackendUnavailableError(f"{' '.join(command[1:4])} failed: {done.stdout[-800:]}{done.stderr}")
 
     def _spawn(self, server: str, port: int) -> subprocess.Popen:
         assert self._dir is not None

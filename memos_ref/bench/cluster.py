@@ -1,0 +1,317 @@
+"""``bench cluster``: a KV tier shared by OS processes on a private Redis Cluster (3 masters, 3 replicas).
+
+* Cross-process prefix sharing: process A serves an agent with a long system prompt and publishes its blocks
+  (``Engine(publish_to="cluster")``); process B, a separate OS process with its own engine and pool, serves
+  another agent with the same prefix: its prefix lookup reloads A's blocks from the cluster. B's tokens are
+  compared with a single-process run (B again on a fresh pool without a tier), and B's time to first token with
+  the tier against that recompute.
+* Prefill/decode disaggregation: a prefill process publishes a prompt's blocks and a manifest; a decode process
+  reads the manifest, adopts the blocks into its own pool and decodes; tokens against a single process's; bytes
+  moved, the time to move them, the decode process's time to first token.
+* Failover: a master is killed while an engine serves requests through the tier: requests lost, wrong tokens,
+  and the misses and dropped writes counted in the failover window.
+* Throughput of block reads and writes (32 KiB blocks, pipelined per node), interleaved rounds, min-max.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from statistics import median
+from typing import Any
+
+from memos_ref.bench.common import envelope, format_table
+
+__all__ = ["human", "plot", "render_markdown", "run", "serve_role"]
+
+SYSTEM = "You are a careful agent. Tools: search(query), read(url), write(path, text). Answer briefly. " * 6
+
+
+def _prompt(tail: str, tok: Any) -> list[int]:
+    return [tok.bos_id, *tok.encode(SYSTEM + tail)]
+
+
+_MODEL: dict[str, Any] = {}  # the shipped model, loaded once per process
+
+
+def _stack(url: str, namespace: str, *, tier: bool = True, num_blocks: int = 256, timeout: float = 0.5) -> tuple:
+    from memos_ref.engine import Engine
+    from memos_ref.model import load_model, model_fingerprint
+    from memos_ref.paged import PagedKV
+    from memos_ref.tiering.cluster import ClusterTierBackend
+    from memos_ref.tiering.manager import TierManager
+    from memos_ref.tiering.store import Tier, TierStore
+
+    model = _MODEL.get("shipped") or _MODEL.setdefault("shipped", load_model())
+    spec, fp = model.kv_spec(block_size=16), model_fingerprint(model)
+    kv = PagedKV(spec, num_blocks, fingerprint=fp)
+    backend = None
+    if tier:
+        backend = ClusterTierBackend(url, fingerprint=fp, namespace=namespace, timeout=timeout)
+        TierManager(kv, TierStore([Tier(backend)], spec=spec, fingerprint=fp), reload="always")
+    return model, kv, backend, Engine(model, kv, publish_to="cluster" if tier else None), spec, fp
+
+
+def _serve(engine: Any, prompt: list[int], new: int) -> dict[str, Any]:
+    from memos_ref.engine import Request
+
+    req = engine.submit(Request(prompt, max_new_tokens=new))
+    engine.run()
+    if req.failed:
+        raise req.error  # type: ignore[misc]
+    s = req.stats
+    return {"output": req.output, "reused": s.reused_tokens, "computed": s.computed_tokens, "ttft_s": s.ttft_s}
+
+
+def serve_role(role: str, url: str, namespace: str, tail: str, new: int) -> dict[str, Any]:
+    """One process's part (run in a fresh interpreter by :func:`_spawn`):
+
+    * ``serve``: warm up, serve ``SYSTEM + tail`` through the cluster tier (publishing what it prefills), then the
+      same prompt on a fresh pool without a tier (the single-process recompute reference).
+    * ``prefill``: prefill ``SYSTEM + tail`` (one token), publish its blocks and manifest.
+    * ``decode``: read the manifest, adopt the blocks, decode ``new`` tokens; then the single-process reference.
+    """
+    from memos_ref.model.tokenizer import ByteTokenizer
+    from memos_ref.tiering.cluster_manifest import (
+        check_disaggregable,
+        manifest_name,
+        publish_manifest,
+        read_manifest,
+        verify_chain,
+    )
+
+    tok = ByteTokenizer()
+    prompt = _prompt(tail, tok)
+    _, kv, backend, engine, spec, fp = _stack(url, namespace)
+    check_disaggregable(kv)
+    _serve(engine, [tok.bos_id, *tok.encode("warm up " * 20)], 1)  # warm the forward (not published: no tail)
+    out: dict[str, Any] = {"pid": os.getpid(), "prompt_tokens": len(prompt)}
+    if role == "prefill":
+        got = _serve(engine, prompt, 1)
+        t = spec.block_size
+        keys = [h.hex() for h in kv.prefix_cache.hashes(prompt[: (len(prompt) - 1) // t * t])]
+        out |= {"first_token": got["output"][0], "published_blocks": engine.tier_counts["published_blocks"]}
+        out["manifest"] = publish_manifest(backend, prompt, keys, spec=spec, fingerprint=fp)
+        return out
+    if role == "decode":
+        name = manifest_name(prompt, fp)
+        started = time.perf_counter()
+        manifest = read_manifest(backend, name, spec=spec, fingerprint=fp)
+        if manifest is None:
+            raise RuntimeError(f"manifest {name} not found")
+        t = spec.block_size
+        verify_chain(manifest, kv.prefix_cache.hashes(manifest.token_ids[: (len(manifest.token_ids) - 1) // t * t]))
+        found = backend.read_ahead(manifest.block_keys)
+        out["move_s"] = time.perf_counter() - started
+        out["blocks_moved"] = found
+        prompt = manifest.token_ids
+    elif role != "serve":
+        raise ValueError(f"unknown role {role!r}")
+    shared = _serve(engine, prompt, new)
+    out |= {"tiered": shared, "tier_counts": dict(engine.tier_counts)}
+    out["bytes_moved"] = engine.kv.tier_manager.store.stats()["cluster"].get("swap_in_bytes", 0)
+    _, _, _, alone, _, _ = _stack(url, namespace, tier=False)
+    _serve(alone, [tok.bos_id, *tok.encode("warm up " * 20)], 1)
+    out["recompute"] = _serve(alone, prompt, new)
+    return out
+
+
+def _spawn(role: str, url: str, namespace: str, tail: str, new: int, timeout: float = 300) -> dict[str, Any]:
+    """Run :func:`serve_role` in a separate OS process; its JSON result."""
+    code = (
+        "import json, sys; from memos_ref.bench.cluster import serve_role; "
+        "print(json.dumps(serve_role(*sys.argv[1:5], int(sys.argv[5]))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, role, url, namespace, tail, str(new)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{role} process failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def cross_process(url: str, namespace: str, new: int = 8) -> dict[str, Any]:
+    """A then B, two OS processes sharing the cluster tier (see the module docstring)."""
+    a = _spawn("serve", url, namespace, " User A: plan a trip.", new)
+    b = _spawn("serve", url, namespace, " User B: summarise a paper.", new)
+    return {
+        "a": a,
+        "b": b,
+        "cross_process_reused_tokens": b["tiered"]["reused"],
+        "prefill_tokens_saved": b["recompute"]["computed"] - b["tiered"]["computed"],
+        "tokens_identical": b["tiered"]["output"] == b["recompute"]["output"]
+        and a["tiered"]["output"] == a["recompute"]["output"],
+        "ttft_shared_s": b["tiered"]["ttft_s"],
+        "ttft_recompute_s": b["recompute"]["ttft_s"],
+        "distinct_pids": a["pid"] != b["pid"],
+    }
+
+
+def disaggregated(url: str, namespace: str, new: int = 8) -> dict[str, Any]:
+    """A prefill process and a decode process (see the module docstring)."""
+    p = _spawn("prefill", url, namespace, " User C: write a haiku.", 1)
+    d = _spawn("decode", url, namespace, " User C: write a haiku.", new)
+    return {
+        "prefill": p,
+        "decode": d,
+        "disaggregated_tokens_identical": d["tiered"]["output"] == d["recompute"]["output"]
+        and d["tiered"]["output"][0] == p["first_token"],
+        "bytes_moved": d["bytes_moved"],
+        "move_s": d["move_s"],
+        "decode_ttft_s": d["tiered"]["ttft_s"],
+        "decode_ttft_recompute_s": d["recompute"]["ttft_s"],
+        "reused_tokens": d["tiered"]["reused"],
+    }
+
+
+def throughput(urls: dict[int, str], rounds: int, blocks: int) -> dict[str, Any]:
+    """Reads and writes of 32 KiB blocks per second through the cluster tier (pipelined per node), on clusters of
+    1 and 3 masters (``urls``: masters -> url), rounds interleaved so load drifts hit both alike; median and
+    min-max per cluster, and the 3/1 ratio of medians with the min-max of the per-round ratios."""
+    from memos_ref.tiering.cluster import ClusterTierBackend
+
+    data = os.urandom(32 << 10)
+    backends = {m: ClusterTierBackend(u, fingerprint="bench", namespace="tput") for m, u in urls.items()}
+    rates: dict[int, dict[str, list[float]]] = {m: {"write": [], "read": []} for m in urls}
+    for r in range(rounds):
+        for masters, b in backends.items():
+            items = {f"r{r}b{i}": data for i in range(blocks)}
+            started = time.perf_counter()
+            stored = sum(b.put_many(items).values())
+            rates[masters]["write"].append(stored / (time.perf_counter() - started))
+            started = time.perf_counter()
+            got = b.get_many(list(items))
+            rates[masters]["read"].append(len(got) / (time.perf_counter() - started))
+    out: dict[str, Any] = {"blocks_per_round": blocks, "rounds": rounds, "block_bytes": len(data)}
+    for masters, b in backends.items():
+        b.clear()
+        b.close()
+        for op in ("write", "read"):
+            xs = rates[masters][op]
+            out[f"{op}_blocks_per_s_{masters}m"] = median(xs)
+            out[f"{op}_min_max_{masters}m"] = [min(xs), max(xs)]
+    if 1 in rates and 3 in rates:
+        for op in ("write", "read"):
+            ratios = [c / a for a, c in zip(rates[1][op], rates[3][op])]
+            out[f"{op}_ratio_3m_over_1m"] = median(rates[3][op]) / median(rates[1][op])
+            out[f"{op}_ratio_min_max"] = [min(ratios), max(ratios)]
+    return out
+
+
+def failover(cluster: Any, namespace: str, requests: int = 6, new: int = 4, timeout: float = 0.3) -> dict[str, Any]:
+    """Publish ``requests`` prompts through the tier, kill a master, then serve them again on a fresh pool while
+    the replica is promoted (and once more after): requests lost, wrong tokens, misses and dropped writes counted."""
+    from memos_ref.engine import Request
+    from memos_ref.model.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    prompts = [[tok.bos_id, *tok.encode(f"Agent {i} notes: " + SYSTEM[: 60 + 20 * i])] for i in range(requests)]
+    _, _, _, writer, _, _ = _stack(cluster.url, namespace, timeout=timeout)
+    expected = [_serve(writer, p, new)["output"] for p in prompts]  # published through the tier
+    victim = cluster.master_ports()[0]
+    cluster.kill(victim)
+    killed = time.monotonic()
+    served, window_s, totals = [], None, Counter()
+    for _ in range(50):  # a fresh pool each round (so it reads the tier), until the cluster has healed
+        _, _, backend, engine, _, _ = _stack(cluster.url, namespace, timeout=timeout)
+        for p in prompts:
+            req = engine.submit(Request(p, max_new_tokens=new))
+            engine.run()
+            served.append((req, p))
+            if window_s is None and cluster.healthy() and victim not in cluster.roles():
+                window_s = time.monotonic() - killed
+        stats = backend.stats()
+        totals.update({k: v for k, v in stats.items() if isinstance(v, int) and k not in ("blocks", "bytes")})
+        totals["slowest_call_us"] = max(totals["slowest_call_us"], round(stats["slowest_call_s"] * 1e6))
+        backend.close()
+        if window_s is not None:
+            break
+    stats = dict(totals)
+    stats["slowest_call_s"] = totals["slowest_call_us"] / 1e6
+    exp = {tuple(p): e for p, e in zip(prompts, expected)}
+    return {
+        "requests": len(served),
+        "requests_lost": sum(r.failed or not r.finished for r, _ in served),
+        "failover_wrong_kv": sum(r.output != exp[tuple(p)] for r, p in served),
+        "failover_misses": stats.get("misses", 0) + stats.get("read_ahead_misses", 0),
+        "failover_dropped_writes": stats.get("dropped_puts", 0),
+        "errors_by_kind": {k[7:]: v for k, v in stats.items() if k.startswith("errors_")},
+        "failover_window_s": window_s,
+        "slowest_call_s": stats["slowest_call_s"],
+        "timeout_s": timeout,
+    }
+
+
+def run(quick: bool = False, progress: bool = False) -> dict[str, Any]:
+    from memos_ref.tiering.cluster_server import ClusterServer
+
+    new = 4 if quick else 16
+    with ClusterServer() as cluster:
+        cp = cross_process(cluster.url, "bench-xp", new)
+        dis = disaggregated(cluster.url, "bench-pd", new)
+        with ClusterServer(1, 0) as single:
+            tput = throughput({1: single.url, 3: cluster.url}, 3 if quick else 7, 32 if quick else 128)
+        fo = failover(cluster, "bench-fo", 4 if quick else 8, new)
+    summary = {
+        "cross_process_reused_tokens": cp["cross_process_reused_tokens"],
+        "prefill_tokens_saved": cp["prefill_tokens_saved"],
+        "tokens_identical": cp["tokens_identical"],
+        "ttft_shared_ms": cp["ttft_shared_s"] * 1e3,
+        "ttft_recompute_ms": cp["ttft_recompute_s"] * 1e3,
+        "disaggregated_tokens_identical": dis["disaggregated_tokens_identical"],
+        "disaggregated_bytes_moved": dis["bytes_moved"],
+        "disaggregated_move_ms": dis["move_s"] * 1e3,
+        "decode_ttft_ms": dis["decode_ttft_s"] * 1e3,
+        "decode_ttft_recompute_ms": dis["decode_ttft_recompute_s"] * 1e3,
+        "requests_lost": fo["requests_lost"],
+        "failover_wrong_kv": fo["failover_wrong_kv"],
+        "failover_misses": fo["failover_misses"],
+        "failover_dropped_writes": fo["failover_dropped_writes"],
+        "failover_window_s": fo["failover_window_s"],
+        "slowest_call_s": fo["slowest_call_s"],
+        **{k: v for k, v in tput.items() if k.startswith(("read_", "write_"))},
+    }
+    results = [
+        {"part": "cross_process", **{k: v for k, v in cp.items() if k not in ("a", "b")}},
+        {"part": "disaggregated", **{k: v for k, v in dis.items() if k not in ("prefill", "decode")}},
+        {"part": "throughput", **tput},
+        {"part": "failover", **fo},
+    ]
+    config = {"quick": quick, "masters": 3, "replicas": 1, "node_timeout_ms": 1000, "block_size": 16}
+    return envelope("cluster", config, results, summary)
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    """The summary as a Markdown table (for the README)."""
+    s = result["summary"]
+    rows = [(k, f"{v:.3g}" if isinstance(v, float) else str(v)) for k, v in s.items()]
+    return "\n".join(["| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+
+
+def human(report: dict[str, Any]) -> str:
+    s = report["summary"]
+    return format_table([{"figure": k, "value": v} for k, v in s.items()], ["figure", "value"])
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = report["summary"]
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.bar(["shared tier", "recompute"], [s["ttft_shared_ms"], s["ttft_recompute_ms"]])
+    ax.set_ylabel("time to first token (ms)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
