@@ -43,7 +43,7 @@ def test_a_block_refilled_after_truncate_is_registered_under_its_new_tokens_and_
     assert _registered(kv, seq) == old_hashes
     old_third = seq.block_table[2]
     seq.truncate(20)  # into block 2, which stays in the prefix index
-    new = old[:20] + [900, 901, 902, 903]
+    new = [*old[:20], 900, 901, 902, 903]
     _append(seq, new[20:], gen)
     new_hashes = block_hashes(new, T, fingerprint=FP)
     assert new_hashes[:2] == old_hashes[:2] and new_hashes[2] != old_hashes[2]
@@ -128,7 +128,7 @@ def test_set_token_ids_over_a_truncated_registered_block_is_allowed_and_register
     seq.truncate(20)
     seq.set_token_ids([7, 7, 7, 7], start=16)
     _append(seq, [8, 8, 8, 8], gen)
-    want = ids[:16] + [7, 7, 7, 7, 8, 8, 8, 8]
+    want = [*ids[:16], 7, 7, 7, 7, 8, 8, 8, 8]
     assert seq.token_ids == want
     assert _registered(kv, seq) == block_hashes(want, T, fingerprint=FP)
     kv.check()
