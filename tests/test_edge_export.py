@@ -84,3 +84,47 @@ def test_bad_inputs(tmp_path):
 
     with pytest.raises(ConfigError, match="dtype must be"):
         convert(shipped_model_dir(), tmp_path / "out", dtype="int4")
+
+
+# ---------------------------------------------------------------------- issue 28 item 6: INT8 KV calibration text
+def test_int8_kv_calibration_uses_the_held_out_prose_through_the_tokenizer_and_trtllms_rule(tmp_path):
+    # before: source-code bytes taken modulo the vocabulary (for SmolLM2 not its tokens). Now the held-out prose's
+    # calibration section through the model's tokenizer (here the shipped byte model's), and TensorRT-LLM's own
+    # rule (models/llama/convert.py: qkv_y.max() / 127 over the q, k, v projections' outputs) computed beside ours
+    import math
+
+    import torch
+    from memos_edge.calibrate import calibration_ids, compare_kv_scales
+    from memos_edge.export_trtllm import convert
+    from safetensors.torch import load_file
+
+    from memos_ref.bench.accuracy import heldout_prose
+    from memos_ref.model import load_hf_model, shipped_model_dir
+    from memos_ref.model.tokenizer import ByteTokenizer
+
+    model_dir = shipped_model_dir()
+    ids = calibration_ids(model_dir)
+    assert ByteTokenizer().decode(ids[0]) == heldout_prose()[1]  # real text, every id a real token
+    got = compare_kv_scales(model_dir, ids)
+    # independent oracles, from transformers: the projections' outputs (TensorRT-LLM's act_range "y") and the
+    # cache it stores (keys after RoPE, values)
+    hf = load_hf_model(model_dir)
+    with torch.no_grad():
+        out = hf(input_ids=ids, output_hidden_states=True, use_cache=True)
+    trt, ours = [], []
+    for i, layer in enumerate(hf.model.layers):
+        x = layer.input_layernorm(out.hidden_states[i])
+        with torch.no_grad():
+            qkv = [getattr(layer.self_attn, f"{p}_proj")(x).abs().max() for p in "qkv"]
+        trt.append(float(max(qkv)) / 127)
+        k, v = out.past_key_values.layers[i].keys, out.past_key_values.layers[i].values
+        ours.append(float(max(k.abs().max(), v.abs().max())) / 127)
+    assert torch.allclose(got["trtllm"], torch.tensor(trt), rtol=1e-5)
+    assert torch.allclose(got["ours"], torch.tensor(ours), rtol=1e-3)
+    # RoPE rotates (x, y) pairs: a stored key is at most sqrt(2) x the largest pre-RoPE output, and TensorRT-LLM's
+    # maximum also covers q and v, so ours <= sqrt(2) x theirs
+    assert bool((got["ratio"] <= math.sqrt(2) + 1e-6).all()) and got["tokens"] == ids.shape[1]
+    ckpt = convert(model_dir, tmp_path / "kv8", dtype="float32", kv_int8=True)
+    w = load_file(str(ckpt / "rank0.safetensors"))
+    written = [float(w[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"]) for i in range(len(ours))]
+    assert written == [float(s) for s in got["ours"]]  # the export writes ours, measured on the prose

@@ -71,3 +71,16 @@ def test_the_container_checklist_is_five_commands_the_script_understands():
     assert any(c.startswith("rsync -a ckpt") and script in c for c in commands)
     assert commands[-1] == "cat ~/memos/results/results.json"
     assert "MAXN=no" in run[run.index("-e") + 1]  # the host set MAX-N in command 1; no sudo inside the container
+
+
+def test_notebook_09_types_no_planner_figure_in_its_prose():
+    # issue 28 item 7: the notebook's numbers come from plan() in its code cells; its markdown names none of them
+    # (before: "2 GiB" OS, "1.5 GiB" runtime and "23,040 bytes of KV per token" were typed in the prose)
+    import json
+
+    nb = json.loads((REPO / "notebooks" / "09_edge_jetson.ipynb").read_text())
+    prose = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    assert [s for s in ("2 GiB", "1.5 GiB", "23,040", "176,000", "407,552") if s in prose] == []
+    found = sorted(n for n in _planner_numbers() if re.search(rf"(?<![\d,.]){re.escape(n)}(?![\d,])", prose))
+    assert found == [], found
+    assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")  # committed without outputs
