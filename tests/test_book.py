@@ -1,7 +1,8 @@
 """`make book`: the notebooks executed into a static HTML book, opened in headless Chromium.
 
-Building the whole book runs every notebook (minutes); this builds one chapter (01, which draws a plot and
-ends in a claims table with computed verdicts) and the landing page, then asks a real browser what it renders.
+Building the whole book runs every notebook (minutes); this builds one chapter (01, which has a formula, draws a
+plot and ends in a claims table with computed verdicts), every reference page of docs/ and the landing page, then
+asks a real browser what it renders — offline: MathJax is a copy inside the book folder.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTER = "01_naive_concat"
-VERDICT = re.compile(r"\b(reproduced|not reproduced|opposite)\b")
+VERDICT = re.compile(r"\b(reproduced|not reproduced|opposite|inconclusive|not measured)\b")
 
 
 def _builder():
@@ -59,12 +60,35 @@ def _dom(browser: str, page: Path) -> str:
 def test_book_files_and_links(book: Path) -> None:
     index = (book / "index.html").read_text()
     page = (book / f"{CHAPTER}.html").read_text()
-    assert f'href="{CHAPTER}.html"' in index  # the learning path links the built chapter
-    assert 'href="notebooks/02_preallocated.ipynb"' in index  # chapters not built keep their source link
-    assert "Claims vs measured" in index and "<table>" in index
+    assert f'<a href="{CHAPTER}.html">01 · The naive cache: concatenate every step</a>' in index  # title, not stem
+    path = (book / "ref-learning-path.html").read_text()
+    assert f'href="{CHAPTER}.html"' in path  # a reference page links the built chapter ...
+    assert 'href="../notebooks/02_preallocated.ipynb"' in path  # ... and the source of a chapter not built
+    assert "<table>" in index and "Headline results" in index
+    for literal in ("&lt;!--", "<!--", "&lt;sub&gt;", "results:headline"):  # no markup shown as text
+        assert literal not in index, literal
     assert re.search(r'<img[^>]+src="data:image/png;base64,', page), "the chapter's plot is embedded"
     assert any(VERDICT.search(out) for out in _outputs(page)), "the chapter's computed verdicts are in its outputs"
     assert "Traceback" not in page
+    for html_page in book.glob("*.html"):  # nothing is fetched from the network: the book works offline
+        text = html_page.read_text()
+        assert not re.search(r'<script[^>]+src="(https?:)?//', text), html_page.name
+    assert (book / "mathjax" / "MathJax.js").is_file()
+    refs = {p.name for p in book.glob("ref-*.html")}
+    assert refs == {f"ref-{p.stem}.html" for p in (ROOT / "docs").glob("*.md")}, "every docs page is rendered"
+    results = (book / "ref-results.html").read_text()
+    assert '<a id="waste"></a>' in results and "<table>" in results
+
+
+def test_solutions_are_folded_in_details() -> None:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(42)")])
+    nb.cells[0].metadata["jupyter"] = {"source_hidden": True, "outputs_hidden": True}
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text="42\n")]
+    _builder()._fold_solutions(nb)
+    assert nb.cells[0].cell_type == "markdown"
+    assert nb.cells[0].source.startswith("<details><summary>") and "print(42)" in nb.cells[0].source
 
 
 def test_build_refuses_unknown_chapters(tmp_path: Path) -> None:
@@ -79,9 +103,14 @@ def test_headless_chromium_renders_landing_page_and_chapter(book: Path) -> None:
             pytest.fail("chromium is missing in CI: `make browser` installs it (apt-get install -y chromium)")
         pytest.skip("no chromium here: `make browser` (or apt-get install -y chromium) to run this check")
     index = _dom(browser, book / "index.html")
-    assert re.search(r'<ul id="chapters"><li><a href="01_naive_concat\.html">', index)
-    assert "<td>" in index  # the claims table rendered as a table
+    assert re.search(r'<ol id="chapters"><li><a href="01_naive_concat\.html">', index)
+    assert "<td>" in index  # the headline table rendered as a table
     chapter = _dom(browser, book / f"{CHAPTER}.html")
     figures = re.findall(r'<img[^>]+src="data:image/png;base64,([A-Za-z0-9+/=]{100,})', chapter)
     assert figures, "no figure in the rendered chapter"
     assert any(VERDICT.search(out) for out in _outputs(chapter)), "no computed verdict in the rendered chapter"
+    # the formula was typeset by the local MathJax: its TeX source is gone from the text, MathJax's markup is there
+    assert re.search(r'class="MathJax[^"]*"', chapter), "no formula typeset as math"
+    assert "$$\\text{bytes copied}" not in chapter
+    results = _dom(browser, book / "ref-results.html")
+    assert "<h1>Results and the claims ledger</h1>" in results and "<td>" in results  # a reference page, a table
