@@ -327,16 +327,19 @@ class WrongAnswer(AssertionError):
     """An exercise's checker found a wrong answer; the message says what was expected and how to get there."""
 
 
+NOT_ANSWERED = "not answered yet"
+
+
 def check_answer(name: str, got: object, expected: object, *, hint: str, rel_tol: float = 0.0) -> str:
     """Check an exercise's answer: equal (numbers: within ``rel_tol``, relative) or raise :class:`WrongAnswer`
-    naming the exercise, what was given, and ``hint``. Returns a one-line "correct" message to print.
-
-    ``got`` may be ``...`` (the exercise not yet attempted): that raises too, asking for an answer.
+    naming the exercise, what was given, and ``hint``. Returns a one-line message to print: "correct", or — when
+    ``got`` is ``None`` or ``...`` (the exercise's stub, not attempted) — "not answered yet" with the hint, so a
+    notebook run top to bottom still passes before the reader has tried.
     """
     check_type("name", name, str)
     check_type("hint", hint, str)
-    if got is Ellipsis:
-        raise WrongAnswer(f"{name}: not answered yet (replace the `...`). Hint: {hint}")
+    if got is None or got is Ellipsis:
+        return f"{name}: {NOT_ANSWERED} (fill in the code above, then run this cell). Hint: {hint}"
     numbers = (int, float)
     if isinstance(got, numbers) and isinstance(expected, numbers) and not isinstance(got, bool):
         ok = math.isclose(got, expected, rel_tol=rel_tol, abs_tol=0.0) if rel_tol else got == expected
