@@ -15,6 +15,15 @@ token lists. Two codecs:
   off before BPE, so no merge crosses them. Any other boundary is checked by tokenizing across it, and refused
   (:class:`~memos_ref.errors.ConfigError`) when a merge would cross it.
 
+Content is text, never control. A message's content (a user turn, a tool result, a memory, the tool list) is
+tokenized as plain text: a content holding ``<|im_start|>system ...`` gives the tokens of those characters, not the
+template's control tokens, so no content can forge a turn (transformers' ``apply_chat_template(tokenize=True)``
+parses them; agent frameworks warn about it). Only the template's own text yields special tokens. The codec
+finds the contents in the rendered text by rendering with placeholder contents; a template that rewrites contents
+so they cannot be found is refused for a content that holds a special token. ``ChatCodec(tokenizer,
+special_tokens_in_content=True)`` is the explicit opt-in to the old behaviour (contents parsed like the template).
+Text must be valid Unicode: a lone surrogate is refused (:class:`~memos_ref.errors.InvalidArgumentError`).
+
 Tool definitions. A session's tool set is always its own segment — a second system message right after the
 system prompt — so sessions with the same system prompt but other tools still share the system prompt's blocks,
 and the same tool set renders to the same tokens under every template. (SmolLM2's template ignores
@@ -33,13 +42,15 @@ same tool set in any order renders to the same tokens.
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from memos_ref.errors import ArgumentTypeError, ConfigError, check_type
+from memos_ref.errors import ArgumentTypeError, ConfigError, InvalidArgumentError, ModelMismatchError, check_type
 from memos_ref.model.tokenizer import ByteTokenizer
 
-__all__ = ["TOOLS_HEADER", "ByteCodec", "ChatCodec", "tool_lines"]
+__all__ = ["TOOLS_HEADER", "ByteCodec", "ChatCodec", "check_text", "tool_lines"]
 
 #: First line of the system message that lists a session's tools.
 TOOLS_HEADER = "You can call these tools. Each line is one tool's JSON definition:"
@@ -70,13 +81,33 @@ _BYTE_MARKER = {
 Message = dict[str, Any]
 
 
+def check_text(name: str, value: object) -> str:
+    """``value`` if it is a ``str`` of valid Unicode (every code point encodable as UTF-8); raises
+    :class:`~memos_ref.errors.ArgumentTypeError` for another type and
+    :class:`~memos_ref.errors.InvalidArgumentError` naming the first lone surrogate (tokenizers cannot encode one)."""
+    check_type(name, value, str)
+    assert isinstance(value, str)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(
+            f"{name}: expected valid Unicode text, found a lone surrogate U+{ord(value[exc.start]):04X} at index "
+            f"{exc.start} (decode bytes with errors='replace' or 'surrogatepass' before passing them)"
+        ) from None
+    return value
+
+
 def tool_lines(tools: Sequence[str | Mapping[str, Any]]) -> list[str]:
     """One canonical line per tool (a dict as sorted-key JSON, a string as it is), sorted."""
     check_type("tools", tools, (list, tuple))
     lines = []
     for i, tool in enumerate(tools):
         check_type(f"tools[{i}]", tool, (str, Mapping))
-        lines.append(tool if isinstance(tool, str) else json.dumps(dict(tool), sort_keys=True, ensure_ascii=False))
+        try:
+            line = tool if isinstance(tool, str) else json.dumps(dict(tool), sort_keys=True, ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError) as exc:  # a value JSON cannot write, a cycle, too deep
+            raise InvalidArgumentError(f"tools[{i}]: expected a JSON-serialisable tool definition ({exc})") from None
+        lines.append(check_text(f"tools[{i}]", line))
     return sorted(lines)
 
 
@@ -116,31 +147,63 @@ class ByteCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids))
 
+    def check_layout(self, token_ids: Sequence[int], segments: Sequence[tuple[str, int, int]]) -> None:
+        """Refuse (:class:`~memos_ref.errors.ModelMismatchError`) tokens not laid out by this codec: BOS first,
+        every id in the byte vocabulary, each segment opened by its kind's marker. ``segments`` are
+        ``(kind, start, stop)``. A session saved through a chat template fails here, at load."""
+        vocab = self.tok.vocab_size
+        if not token_ids or token_ids[0] != self.tok.bos_id:
+            raise ModelMismatchError(
+                f"the session does not start with the byte codec's BOS ({self.tok.bos_id}) but with "
+                f"{token_ids[0] if token_ids else None}: it was saved by a manager with a chat tokenizer; load it "
+                f"with SessionManager(..., tokenizer=<that tokenizer>)"
+            )
+        beyond = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if beyond is not None:
+            raise ModelMismatchError(
+                f"token id {beyond} is outside the byte codec's vocabulary [0, {vocab}): the session was saved by a "
+                f"manager with a chat tokenizer; load it with SessionManager(..., tokenizer=<that tokenizer>)"
+            )
+        for i, (kind, start, stop) in enumerate(segments):
+            marker = self.tok.special_to_id[_BYTE_MARKER[kind]]
+            if stop > start and token_ids[start] != marker:
+                raise ModelMismatchError(
+                    f"segment {i} ({kind}) starts with token {token_ids[start]}, not the byte codec's marker "
+                    f"{_BYTE_MARKER[kind]} ({marker}): the session was not laid out by the byte codec"
+                )
+
 
 class ChatCodec:
     """Segments rendered through a transformers tokenizer's chat template, with exact token boundaries.
 
     Args:
         tokenizer: a transformers tokenizer with a chat template (``load_pretrained(...)[0]``).
+        special_tokens_in_content: ``False`` (the default): message contents are tokenized as plain text, so a
+            content holding ``<|im_start|>`` gives the tokens of those characters and only the template yields
+            special tokens. ``True`` is the explicit opt-in to parse special tokens in contents too (a content can
+            then open or close turns: only for trusted text).
 
     ``stop_ids`` are the tokens that end an assistant turn (the tokenizer's EOS, and ``<|im_end|>`` for ChatML
     templates); a session's reply stops at the first of them, as ``model.generate`` does.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, *, special_tokens_in_content: bool = False) -> None:
         if not callable(getattr(tokenizer, "apply_chat_template", None)) or not callable(tokenizer):
             raise ArgumentTypeError(
                 f"tokenizer: expected a transformers tokenizer with a chat template, got {type(tokenizer).__name__}"
             )
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("tokenizer has no chat template: use a chat (instruct) model's tokenizer")
+        check_type("special_tokens_in_content", special_tokens_in_content, bool)
         self.tok = tokenizer
+        self.special_tokens_in_content = special_tokens_in_content
         self.special = sorted(
             {str(t) for t in getattr(tokenizer, "all_special_tokens", [])}
             | {str(v) for v in getattr(tokenizer, "added_tokens_decoder", {}).values() if getattr(v, "special", False)},
             key=len,
             reverse=True,
         )
+        self._special_re = re.compile("|".join(re.escape(t) for t in self.special)) if self.special else None
         stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in self.special else None
         if end is not None:
@@ -164,11 +227,25 @@ class ChatCodec:
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
         if tools:
             kwargs["tools"] = list(tools)
-        return self.tok.apply_chat_template(list(messages), **kwargs)
+        for i, message in enumerate(messages):
+            if isinstance(message, Mapping) and isinstance(message.get("content"), str):
+                check_text(f"messages[{i}].content", message["content"])
+        try:
+            return self.tok.apply_chat_template(list(messages), **kwargs)
+        except Exception as exc:  # jinja2's TemplateError (raise_exception in the template), a missing key, ...
+            raise ConfigError(f"the chat template refused the messages: {type(exc).__name__}: {exc}") from None
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of rendered text (its special tokens as written; nothing added)."""
+        """Token ids of template text (its special tokens parsed as written; nothing added)."""
+        check_text("text", text)
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of content: plain text, a special token's spelling gives ordinary tokens (nothing added)."""
+        check_text("text", text)
+        if not text:
+            return []
+        return list(self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
         """Readable text of ids, special tokens dropped."""
@@ -194,17 +271,121 @@ class ChatCodec:
             )
         return after[len(before) :]
 
+    # ------------------------------------------------------------------ content-safe tokenization
+    def _content_spans(self, messages: Sequence[Message], text: str, **render: Any) -> list[tuple[int, int]]:
+        """The character ranges of ``text`` (``render(messages)``) that come from the messages' contents, found
+        by rendering placeholders in their place. A template that rewrites contents (so they cannot be found)
+        is refused when a content holds a special token's spelling; otherwise nothing is content."""
+        contents = [m.get("content") if isinstance(m, Mapping) else None for m in messages]
+        if self.special_tokens_in_content or not any(isinstance(c, str) and c for c in contents):
+            return []
+        nonce = secrets.token_hex(8)
+        masked = [
+            {**m, "content": f"\ue000{nonce}:{i}\ue001"} if isinstance(contents[i], str) else m
+            for i, m in enumerate(messages)
+        ]
+        skeleton = self.render(masked, **render)
+        spans, parts, pos, length = [], [], 0, 0
+        for match in re.finditer(f"\ue000{nonce}:(\\d+)\ue001", skeleton):
+            index = int(match.group(1))
+            if index >= len(contents) or not isinstance(contents[index], str):
+                break
+            piece = skeleton[pos : match.start()]
+            parts.append(piece)
+            length += len(piece)
+            spans.append((length, length + len(contents[index])))
+            parts.append(contents[index])
+            length += len(contents[index])
+            pos = match.end()
+        parts.append(skeleton[pos:])
+        if "".join(parts) == text:
+            return spans
+        if self._special_re is not None and any(isinstance(c, str) and self._special_re.search(c) for c in contents):
+            raise ConfigError(
+                "the chat template rewrites message contents, so the codec cannot tell content from template, and "
+                "a content holds a special token's spelling: refused (it could forge a turn); remove the special "
+                "token from the content or pass ChatCodec(..., special_tokens_in_content=True) for trusted text"
+            )
+        return []
+
+    def _pieces(
+        self, text: str, spans: Sequence[tuple[int, int]], start: int = 0, stop: int | None = None
+    ) -> list[str | int]:
+        """``text[start:stop]`` as text chunks (``str``) and the ids of the template's special tokens (``int``): a
+        special token is recognised only where no content overlaps it."""
+        stop = len(text) if stop is None else stop
+        if self.special_tokens_in_content:
+            return [text[start:stop]] if stop > start else []
+        regions, pos = [], 0
+        for lo, hi in spans:
+            regions.append((pos, lo, False))
+            regions.append((lo, hi, True))
+            pos = hi
+        regions.append((pos, len(text), False))
+        out: list[str | int] = []
+        chunk: list[str] = []
+        for lo, hi, is_content in regions:
+            lo, hi = max(lo, start), min(hi, stop)
+            if lo >= hi:
+                continue
+            if is_content or self._special_re is None:
+                chunk.append(text[lo:hi])
+                continue
+            at = lo
+            for match in self._special_re.finditer(text, lo, hi):
+                chunk.append(text[at : match.start()])
+                if "".join(chunk):
+                    out.append("".join(chunk))
+                chunk = []
+                out.append(int(self.tok.convert_tokens_to_ids(match.group(0))))
+                at = match.end()
+            chunk.append(text[at:hi])
+        if "".join(chunk):
+            out.append("".join(chunk))
+        return out
+
+    def _ids(self, pieces: Sequence[str | int]) -> list[int]:
+        if self.special_tokens_in_content:
+            return [t for p in pieces for t in (self.encode(p) if isinstance(p, str) else [p])]
+        return [t for p in pieces for t in (self.encode_text(p) if isinstance(p, str) else [p])]
+
+    def _added_ids(self, history: Sequence[Message], messages: Sequence[Message], **render: Any) -> list[int]:
+        """The ids ``render(messages)`` adds after ``render(history)`` (``history`` a prefix of ``messages``),
+        contents as text, after checking that no merge crosses the boundary."""
+        before = self.render(history)
+        after = self.render(messages, **render)
+        if not after.startswith(before):
+            raise ConfigError(
+                "the chat template renders the earlier messages differently once another one follows; their "
+                "tokens cannot be shared as a prefix (use a template whose output only grows)"
+            )
+        spans = self._content_spans(messages, after, **render)
+        added = self._pieces(after, spans, len(before))
+        if before and added:  # the history renders as the prefix of ``after``: its pieces are after's up to the cut
+            self._check_pieces_boundary(self._pieces(after, spans, 0, len(before)), added)
+        return self._ids(added)
+
+    def _check_pieces_boundary(self, before: Sequence[str | int], after: Sequence[str | int]) -> None:
+        if not before or not after or isinstance(before[-1], int) or isinstance(after[0], int):
+            return  # a special token on either side: tokenizers split them off before BPE, no merge crosses
+        tail, head = str(before[-1])[-64:], str(after[0])
+        enc = self.encode if self.special_tokens_in_content else self.encode_text
+        if enc(tail + head) != enc(tail) + enc(head):
+            raise ConfigError(
+                f"the chat template joins messages without a special token, and the tokens merge across the "
+                f"boundary ({tail[-16:]!r} | {head[:16]!r}): segments would not be exact prefixes"
+            )
+
     # ------------------------------------------------------------------ segments
     def prefix_ids(self) -> list[int]:
         """Tokens every session starts with: none (the template writes what it needs, BOS included)."""
         return []
 
     def segment_ids(self, kind: str, text: str, history: Sequence[Message] = ()) -> list[int]:
-        """The tokens one segment adds after ``history`` (exact: see :meth:`check_boundary`)."""
-        added = self.added_text(history, self.message(kind, text))
-        ids = self.encode(added)
-        self.check_boundary(self.render(history), added)
-        return ids
+        """The tokens one segment adds after ``history`` (exact: see :meth:`check_boundary`); the text is content:
+        tokenized as plain text (see the class doc)."""
+        check_text("text", text)
+        return self._added_ids(history, [*history, self.message(kind, text)])
 
     def reply_prefix_ids(self, history: Sequence[Message]) -> list[int]:
         """The generation prompt after ``history`` (``<|im_start|>assistant\\n`` for ChatML)."""
@@ -212,8 +393,7 @@ class ChatCodec:
         after = self.render(history, add_generation_prompt=True)
         if not after.startswith(before):
             raise ConfigError("the chat template's generation prompt rewrites the history; cannot share it")
-        self.check_boundary(before, after[len(before) :])
-        return self.encode(after[len(before) :])
+        return self._added_ids(history, history, add_generation_prompt=True)
 
     def reply_suffix_ids(self, history: Sequence[Message], content: str, stopped: bool) -> list[int]:
         """What closes a generated reply so the session holds the rendered assistant message: the template's text
@@ -226,18 +406,17 @@ class ChatCodec:
         if stopped:
             stop_text = next((s for s in self.special if suffix.startswith(s)), None)
             suffix = suffix[len(stop_text) :] if stop_text else suffix
-        return self.encode(suffix) if suffix else []
+        return self.encode(suffix) if suffix else []  # template text only
 
     def segments(
         self, messages: Sequence[Message], *, kinds: Sequence[str] | None = None
     ) -> list[tuple[str, list[int]]]:
-        """Each message's ``(kind, token ids)``; the concatenation equals ``encode(render(messages))``."""
+        """Each message's ``(kind, token ids)``; the concatenation equals :meth:`prompt_ids` without the generation
+        prompt (and ``encode(render(messages))`` when no content spells a special token)."""
         out, history = [], []
         for i, message in enumerate(messages):
             kind = kinds[i] if kinds is not None else _kind_of_role(message["role"])
-            added = self.added_text(history, message)
-            self.check_boundary(self.render(history), added)
-            out.append((kind, self.encode(added)))
+            out.append((kind, self._added_ids(history, [*history, message])))
             history.append(message)
         return out
 
@@ -248,8 +427,12 @@ class ChatCodec:
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """The whole prompt as a session lays it out (tools after the first system message when the template
-        ignores them): the ids to give ``model.generate`` or an engine :class:`~memos_ref.engine.Request`."""
-        return self.encode(self.render(self.with_tools(messages, tools), add_generation_prompt=add_generation_prompt))
+        ignores them; contents as text): the ids to give ``model.generate`` or an engine
+        :class:`~memos_ref.engine.Request`."""
+        messages = self.with_tools(messages, tools)
+        text = self.render(messages, add_generation_prompt=add_generation_prompt)
+        spans = self._content_spans(messages, text, add_generation_prompt=add_generation_prompt)
+        return self._ids(self._pieces(text, spans))
 
     def with_tools(self, messages: Sequence[Message], tools: Sequence[str | Mapping[str, Any]] | None) -> list[Message]:
         """``messages`` with the tool-list message inserted after a leading system message (or first)."""
@@ -260,8 +443,8 @@ class ChatCodec:
         return [*messages[:at], self.message("tools", self.tools_text(tools)), *messages[at:]]
 
     def check_boundary(self, before: str, after: str) -> None:
-        """Refuse a boundary a BPE merge would cross: exact when either side is a special token, else checked
-        by tokenizing across it."""
+        """Refuse a boundary between two pieces of template text that a BPE merge would cross: exact when either
+        side is a special token, else checked by tokenizing across it."""
         if not before or not after:
             return
         if any(after.startswith(s) or before.endswith(s) for s in self.special):
@@ -272,6 +455,31 @@ class ChatCodec:
                 f"the chat template joins messages without a special token, and the tokens merge across the "
                 f"boundary ({tail[-16:]!r} | {after[:16]!r}): segments would not be exact prefixes"
             )
+
+    def check_layout(self, token_ids: Sequence[int], segments: Sequence[tuple[str, int, int]]) -> None:
+        """Refuse (:class:`~memos_ref.errors.ModelMismatchError`) tokens not laid out by this template: every id in
+        the tokenizer's vocabulary, each segment opening as the template opens a message of its kind (its first
+        token). ``segments`` are ``(kind, start, stop)``."""
+        vocab = len(self.tok)
+        beyond = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if beyond is not None:
+            raise ModelMismatchError(f"token id {beyond} is outside the tokenizer's vocabulary [0, {vocab})")
+        history: list[Message] = []
+        for i, (kind, start, stop) in enumerate(segments):
+            message = self.message(kind, "x")
+            if stop > start:
+                opening = self._added_ids(history, [*history, message])[:1]
+                if kind in ("assistant", "tool_call"):
+                    opening_reply = self.reply_prefix_ids(history)[:1]
+                else:
+                    opening_reply = opening
+                if token_ids[start] not in (*opening, *opening_reply):
+                    raise ModelMismatchError(
+                        f"segment {i} ({kind}) starts with token {token_ids[start]}, but this chat template opens a "
+                        f"{ROLE_OF_KIND[kind]} message with {opening}: the session was saved with another codec "
+                        f"(the byte codec, or another tokenizer); load it with the manager that saved it"
+                    )
+            history.append(self.message(kind, ""))
 
 
 def _kind_of_role(role: str) -> str:

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from memos_ref.errors import ArgumentTypeError, ConfigError, check_type
+from memos_ref.errors import ArgumentTypeError, ConfigError, InvalidArgumentError, check_type
 
 __all__ = ["SPECIAL_TOKENS", "ByteTokenizer"]
 
@@ -40,9 +40,17 @@ class ByteTokenizer:
         self.pad_id = self.special_to_id["<|pad|>"]
 
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        """UTF-8 bytes of ``text`` as ids, optionally framed by BOS/EOS."""
+        """UTF-8 bytes of ``text`` as ids, optionally framed by BOS/EOS. Text is bytes, never control: a
+        special token's spelling in ``text`` gives its bytes. A lone surrogate (no UTF-8 form) raises
+        :class:`~memos_ref.errors.InvalidArgumentError`."""
         check_type("text", text, str)
-        ids = list(text.encode("utf-8"))
+        try:
+            ids = list(text.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise InvalidArgumentError(
+                f"text: expected valid Unicode text, found a lone surrogate U+{ord(text[exc.start]):04X} at index "
+                f"{exc.start}"
+            ) from None
         if add_bos:
             ids.insert(0, self.bos_id)
         if add_eos:

@@ -18,17 +18,22 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from memos_ref.chat import ByteCodec, ChatCodec
+from memos_ref.chat import ByteCodec, ChatCodec, check_text, tool_lines
 from memos_ref.errors import ArgumentTypeError, ConfigError, ModelMismatchError, check_index, check_type
 from memos_ref.hf import PagedCache
 from memos_ref.model.identity import fingerprint as model_identity
 from memos_ref.paged.store import PagedKV
-from memos_ref.session.persist import manifest_limit, parse_manifest, read_bounded, read_session_tensor
+from memos_ref.session.persist import (
+    manifest_limit,
+    parse_manifest,
+    read_bounded,
+    read_session_tensor,
+    session_files,
+)
 from memos_ref.session.segments import Segment, SegmentKind, SessionLayout
 from memos_ref.session.session import CacheSession
 from memos_ref.spec import KVSpec
@@ -150,7 +155,7 @@ class SessionManager:
         """Record a system prompt version; sessions refer to it by (name, version)."""
         check_type("name", name, str)
         check_type("version", version, str)
-        check_type("text", text, str)
+        check_text("text", text)
         with self._lock:
             key = (name, version)
             if key in self.system_prompts and self.system_prompts[key] != text:
@@ -190,9 +195,9 @@ class SessionManager:
             return session
         if system is not None and system not in self.system_prompts:
             raise ConfigError(f"system prompt {system} is not registered: {sorted(self.system_prompts)}")
-        session = CacheSession(self, None, [], [])
         text = None if system is None else (*system, self.system_prompts[system])
-        ids, plan, messages = self.layout.opening(text, tools)
+        ids, plan, messages = self.layout.opening(text, tools)  # tokenized before a session exists
+        session = CacheSession(self, None, [], [])
         if ids:  # a chat session with neither system prompt nor tools starts empty
             session.prefill_segments(ids, plan, messages)
         return session
@@ -212,7 +217,7 @@ class SessionManager:
         blocks are shared with every other session that has them, through the prefix cache); sessions started
         from the memory then have them too. A memory built ``after`` another takes its prefix from it."""
         check_type("name", name, str)
-        check_type("text", text, str)
+        check_text("text", text)
         check_type("after", after, (Memory, type(None)))
         _check_new_session_args(system, tools, None)
         with self._lock:
@@ -260,12 +265,12 @@ class SessionManager:
         every field, and every field (types, lengths, token ids in the vocabulary, segment ranges, the KVSpec,
         the tensor's dtype and shape) is checked before a block is allocated. Raises
         :class:`~memos_ref.errors.CorruptCacheError` for a damaged or malformed file and
-        :class:`~memos_ref.errors.ModelMismatchError` for another model or KVSpec; a failed load leaves the
+        :class:`~memos_ref.errors.ModelMismatchError` for another model or KVSpec, or tokens laid out by another
+        codec (a chat session loaded by a manager without its tokenizer, or the reverse); a failed load leaves the
         memory as it was (no block is allocated, none is leaked).
         """
         check_type("path", path, (str, os.PathLike))
-        path = Path(path)
-        manifest_path, tensor_path = path.with_suffix(".json"), path.with_suffix(".safetensors")
+        manifest_path, tensor_path = session_files(path)
         manifest = parse_manifest(read_bounded(manifest_path, manifest_limit()), manifest_path, self.vocab_size)
         if manifest["fingerprint"] != self.fingerprint:
             raise ModelMismatchError(
@@ -275,8 +280,11 @@ class SessionManager:
         saved_spec: KVSpec = manifest["spec"]
         if saved_spec.with_(block_size=self.spec.block_size) != self.spec:
             raise ModelMismatchError(f"session KVSpec {saved_spec.to_dict()} does not match {self.spec.to_dict()}")
-        kv = read_session_tensor(tensor_path, manifest, self.spec)  # [L, 2, H, S, D], validated
         tokens: list[int] = manifest["token_ids"]
+        # tokens laid out by another codec (a chat template's, saved by a manager with a tokenizer, or the byte
+        # codec's) are refused now, not at the next append or generate
+        self.codec.check_layout(tokens, [(str(s.kind), s.start, s.stop) for s in manifest["segments"]])
+        kv = read_session_tensor(tensor_path, manifest, self.spec)  # [L, 2, H, S, D], validated
         # Loaded KV is salted by its file's checksum: it serves this session and its forks, but a file can never
         # plant blocks that other sessions would find by prefix.
         cache = PagedCache(self.kv, cache_salt=f"loaded:{manifest['sha256']}")
@@ -315,6 +323,8 @@ def _check_new_session_args(system: Any, tools: Any, memories: Any) -> None:
     check_type("tools", tools, (list, tuple, type(None)))
     for i, tool in enumerate(tools or ()):
         check_type(f"tools[{i}]", tool, (str, dict))
+    if tools:
+        tool_lines(tools)  # JSON-serialisable, valid Unicode: refused before anything is built
     check_type("memories", memories, (list, tuple, type(None)))
     for i, memory in enumerate(memories or ()):
         check_type(f"memories[{i}]", memory, Memory)

@@ -9,10 +9,12 @@ values (:func:`read_session_tensor`). Nothing is unpickled; nothing is allocated
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import secrets
 import stat
 import sys
 from collections.abc import Callable
@@ -23,7 +25,7 @@ import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
-from memos_ref.errors import CorruptCacheError, KVCacheError
+from memos_ref.errors import CorruptCacheError, InvalidArgumentError, KVCacheError
 from memos_ref.session.segments import SEGMENT_KIND_VALUES, Segment, SegmentKind
 from memos_ref.spec import KVSpec
 
@@ -36,6 +38,7 @@ __all__ = [
     "parse_manifest",
     "read_bounded",
     "read_session_tensor",
+    "session_files",
     "write_session",
 ]
 
@@ -62,22 +65,32 @@ def manifest_checksum(manifest: dict[str, Any]) -> str:
 
 
 def read_bounded(path: Path, limit: int) -> bytes:
-    """The bytes of a regular file of at most ``limit`` bytes; anything else (a FIFO, a device, a directory,
-    a larger file, a file that grows while read) is refused with :class:`CorruptCacheError`."""
+    """The bytes of a regular file of at most ``limit`` bytes; anything else (a missing file, a FIFO, a device,
+    a directory, a larger file, a file that grows while read, a path with a NUL) is refused with
+    :class:`CorruptCacheError`. The descriptor is closed on every path (nothing leaks per call)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    except OSError as exc:
-        raise CorruptCacheError(f"cannot open {path}: {exc}") from None
-    with os.fdopen(fd, "rb") as fh:
-        info = os.fstat(fh.fileno())
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise CorruptCacheError(f"cannot open {str(path)[:200]!r}: {exc}") from None
+    try:
+        info = os.fstat(fd)  # on the raw descriptor: fdopen refuses a directory without closing it
         if not stat.S_ISREG(info.st_mode):
             raise CorruptCacheError(f"{path} is not a regular file")
         if info.st_size > limit:
             raise CorruptCacheError(f"{path} holds {info.st_size} bytes, more than the {limit} expected at most")
-        try:
-            data = fh.read(limit + 1)
-        except OSError as exc:
-            raise CorruptCacheError(f"cannot read {path}: {exc}") from None
+        chunks, size = [], 0
+        while size <= limit:  # bounded: at most limit + 1 bytes, in reads of at most 1 MiB
+            try:
+                chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            except OSError as exc:
+                raise CorruptCacheError(f"cannot read {path}: {exc}") from None
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
     if len(data) > limit:
         raise CorruptCacheError(f"{path} grew past {limit} bytes while being read")
     return data
@@ -204,13 +217,46 @@ def manifest_limit() -> int:
     return int(getattr(package, "MAX_MANIFEST_BYTES", MAX_MANIFEST_BYTES))
 
 
+def session_files(path: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """``(path.json, path.safetensors)`` for a session path; a path without a file name (``""``, ``"/"``) or
+    with a NUL character is refused with :class:`InvalidArgumentError`."""
+    text = os.fspath(path)
+    if not isinstance(text, str) or "\x00" in text:
+        raise InvalidArgumentError(f"path: expected a file path without NUL characters, got {text!r:.120}")
+    try:
+        p = Path(text)
+        return p.with_suffix(".json"), p.with_suffix(".safetensors")
+    except ValueError as exc:  # no file name to put a suffix on
+        raise InvalidArgumentError(f"path: expected a file path, got {text!r:.120} ({exc})") from None
+
+
+def _write_atomic(target: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``target`` and rename it into place: a reader sees the old
+    file or the new one, never a truncated one. A path that cannot be written is an :class:`InvalidArgumentError`."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, target)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise InvalidArgumentError(f"path: cannot write {target}: {exc}") from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
 def write_session(
     path: Path, kv: torch.Tensor, fingerprint: str, spec: KVSpec, token_ids: list[int], segments: list[Segment]
 ) -> Path:
     """Write ``path.safetensors`` (``kv``: ``[L, 2, H, S, D]``) and ``path.json`` (the manifest; its
-    ``manifest_sha256`` covers every other field, ``sha256`` the tensor file)."""
+    ``manifest_sha256`` covers every other field, ``sha256`` the tensor file). Each file is written to a
+    temporary name and renamed into place, the manifest last: an interrupted save leaves the old pair or a pair
+    whose checksums disagree (refused at load), never a half-written file."""
+    manifest_path, tensor_path = session_files(path)
     data = safetensors_save({"kv": kv.contiguous()})
-    path.with_suffix(".safetensors").write_bytes(data)
     manifest: dict[str, Any] = {
         "format": "memos-ref-session",
         "version": MANIFEST_VERSION,
@@ -222,5 +268,6 @@ def write_session(
         "bytes": len(data),
     }
     manifest["manifest_sha256"] = manifest_checksum(manifest)
-    path.with_suffix(".json").write_text(json.dumps(manifest))
+    _write_atomic(tensor_path, data)
+    _write_atomic(manifest_path, json.dumps(manifest).encode())
     return path

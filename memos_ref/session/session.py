@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from memos_ref.chat import check_text
 from memos_ref.errors import OutOfBlocksError, UseAfterFreeError, check_index, check_type
 from memos_ref.hf import PagedCache
 from memos_ref.session.persist import write_session
@@ -175,7 +176,7 @@ class CacheSession:
         """Add a segment (a user turn, a tool result, …): its tokens are prefilled into the cache."""
         kind = segment_kind(kind)
         check_type("seg_id", seg_id, str)
-        check_type("text", text, str)
+        check_text("text", text)
         self._refuse_closed()
         return self._with_room(lambda: self._append(kind, seg_id, text))
 
@@ -275,7 +276,7 @@ class CacheSession:
         for the build and the switch, and readers never see a half-built session. ``events`` records each
         step with block counts.
         """
-        check_type("summary_text", summary_text, str)
+        check_text("summary_text", summary_text)
         with self._lock:
             self._check_open()
             ids, plan, messages = self.manager.layout.compacted(
