@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from statistics import median
@@ -218,23 +219,40 @@ def failover(cluster: Any, namespace: str, requests: int = 6, new: int = 4, time
     _, _, _, writer, _, _ = _stack(cluster.url, namespace, timeout=timeout)
     expected = [_serve(writer, p, new)["output"] for p in prompts]  # published through the tier
     victim = cluster.master_ports()[0]
+    healed = threading.Event()
+    window: list[float] = []
+
+    def watch() -> None:  # the failover window: from the kill until the cluster is whole without the victim
+        while not healed.is_set() and time.monotonic() - killed < 60:
+            if cluster.healthy() and victim not in cluster.roles():
+                window.append(time.monotonic() - killed)
+                healed.set()
+            time.sleep(0.05)
+
     cluster.kill(victim)
     killed = time.monotonic()
-    served, window_s, totals = [], None, Counter()
-    for _ in range(50):  # a fresh pool each round (so it reads the tier), until the cluster has healed
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    served, totals, probe = [], Counter(), os.urandom(4096)
+    for r in range(50):  # a fresh pool each round (so it reads the tier), until the cluster has healed
         _, _, backend, engine, _, _ = _stack(cluster.url, namespace, timeout=timeout)
-        for p in prompts:
+        for i, p in enumerate(prompts):
+            # another agent's new blocks, written meanwhile: those on the dead master's slots are dropped
+            stored = backend.put_many({f"probe-{r}-{i}-{j}": probe for j in range(6)})
+            totals["probe_writes"] += len(stored)
+            totals["probe_dropped"] += len(stored) - sum(stored.values())
             req = engine.submit(Request(p, max_new_tokens=new))
             engine.run()
             served.append((req, p))
-            if window_s is None and cluster.healthy() and victim not in cluster.roles():
-                window_s = time.monotonic() - killed
         stats = backend.stats()
         totals.update({k: v for k, v in stats.items() if isinstance(v, int) and k not in ("blocks", "bytes")})
         totals["slowest_call_us"] = max(totals["slowest_call_us"], round(stats["slowest_call_s"] * 1e6))
         backend.close()
-        if window_s is not None:
+        if healed.is_set():
             break
+    healed.set()
+    watcher.join()
+    window_s = window[0] if window else None
     stats = dict(totals)
     stats["slowest_call_s"] = totals["slowest_call_us"] / 1e6
     exp = {tuple(p): e for p, e in zip(prompts, expected)}
@@ -244,6 +262,8 @@ def failover(cluster: Any, namespace: str, requests: int = 6, new: int = 4, time
         "failover_wrong_kv": sum(r.output != exp[tuple(p)] for r, p in served),
         "failover_misses": stats.get("misses", 0) + stats.get("read_ahead_misses", 0),
         "failover_dropped_writes": stats.get("dropped_puts", 0),
+        "probe_writes": stats.get("probe_writes", 0),
+        "probe_dropped": stats.get("probe_dropped", 0),
         "errors_by_kind": {k[7:]: v for k, v in stats.items() if k.startswith("errors_")},
         "failover_window_s": window_s,
         "slowest_call_s": stats["slowest_call_s"],
@@ -276,6 +296,7 @@ def run(quick: bool = False, progress: bool = False) -> dict[str, Any]:
         "failover_wrong_kv": fo["failover_wrong_kv"],
         "failover_misses": fo["failover_misses"],
         "failover_dropped_writes": fo["failover_dropped_writes"],
+        "failover_requests": fo["requests"],
         "failover_window_s": fo["failover_window_s"],
         "slowest_call_s": fo["slowest_call_s"],
         **{k: v for k, v in tput.items() if k.startswith(("read_", "write_"))},
