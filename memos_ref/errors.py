@@ -32,6 +32,7 @@ __all__ = [
     "UnsupportedModelError",
     "UseAfterFreeError",
     "check_index",
+    "check_layer_index",
     "check_type",
 ]
 
@@ -56,10 +57,6 @@ class DeviceError(KVCacheError, ValueError):
     """A tensor is on the wrong device; the message gives the expected and actual devices."""
 
 
-class LayerIndexError(KVCacheError, IndexError):
-    """A layer index is outside ``[0, num_layers)``."""
-
-
 class ArgumentTypeError(KVCacheError, TypeError):
     """A public API argument has the wrong type; the message names the argument, the expected type and the
     type received."""
@@ -68,6 +65,12 @@ class ArgumentTypeError(KVCacheError, TypeError):
 class InvalidArgumentError(KVCacheError, ValueError):
     """A public API argument has the right type but a value outside its domain (a negative index, a start past
     the end, a NaN temperature); the message names the argument, the allowed range and the value received."""
+
+
+class LayerIndexError(InvalidArgumentError, IndexError):
+    """A layer index is outside ``[0, num_layers)`` — the one error for that mistake, from the dense caches, the
+    paged pools, sequences and steps alike. It is an :class:`InvalidArgumentError` (the family of out-of-range
+    arguments) and an ``IndexError``, so an ``except`` clause written for either keeps working."""
 
 
 class StateError(KVCacheError, RuntimeError):
@@ -172,6 +175,17 @@ def check_type(name: str, value: object, expected: type | tuple[type, ...]) -> N
         raise ArgumentTypeError(f"{name}: expected {names}, got {type(value).__name__} ({value!r:.80})")
 
 
+def _as_int(name: str, value: object) -> int:
+    """``value`` as a Python ``int`` (an ``int``, a 0-d integer tensor, a numpy integer; never a bool), else
+    :class:`ArgumentTypeError` naming the argument and the type received."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ArgumentTypeError(f"{name}: expected int, got {type(value).__name__} ({value!r:.80})")
+    try:
+        return value.__index__()  # type: ignore[attr-defined]
+    except TypeError as exc:  # a float tensor has __index__ but refuses it
+        raise ArgumentTypeError(f"{name}: expected int, got {type(value).__name__} ({value!r:.80})") from exc
+
+
 def check_index(name: str, value: object, *, lo: int = 0, hi: int | None = None) -> int:
     """Validate an integer index argument: an ``int`` (or 0-d integer tensor / numpy integer), not a bool,
     with ``lo <= value <= hi`` (``hi`` inclusive, ``None`` = unbounded). Returns it as a Python ``int``.
@@ -179,13 +193,19 @@ def check_index(name: str, value: object, *, lo: int = 0, hi: int | None = None)
     Raises :class:`ArgumentTypeError` for a wrong type and :class:`InvalidArgumentError` for a value out of
     range, each naming the argument, the expected range and the value received.
     """
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise ArgumentTypeError(f"{name}: expected int, got {type(value).__name__} ({value!r:.80})")
-    try:
-        v = value.__index__()  # type: ignore[attr-defined]
-    except TypeError as exc:  # a float tensor has __index__ but refuses it
-        raise ArgumentTypeError(f"{name}: expected int, got {type(value).__name__} ({value!r:.80})") from exc
+    v = _as_int(name, value)
     if v < lo or (hi is not None and v > hi):
         bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
         raise InvalidArgumentError(f"{name}: expected an integer in {bound}, got {v}")
+    return v
+
+
+def check_layer_index(layer: object, num_layers: int, name: str = "layer") -> int:
+    """A layer index as a Python ``int`` in ``[0, num_layers)``: :class:`ArgumentTypeError` for a non-integer (a
+    bool, a float), :class:`LayerIndexError` outside the range, naming the range and the value received."""
+    v = _as_int(name, layer)
+    if not 0 <= v < num_layers:
+        raise LayerIndexError(
+            f"{name} {v} is out of range: expected a layer index in [0, {num_layers}) ({num_layers} layers), got {v}"
+        )
     return v

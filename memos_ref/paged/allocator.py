@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 from memos_ref.errors import (
     ArgumentTypeError,
+    CapacityExceededError,
     ConfigError,
     DoubleFreeError,
     InvalidArgumentError,
@@ -68,6 +69,11 @@ __all__ = [
     "EventQueue",
     "pack_ids",
 ]
+
+
+#: The most blocks a pool and its allocator may hold (``grow`` refuses more, naming the limit): block ids, slots
+#: (``id · T + offset``) and element offsets stay far inside int64.
+MAX_BLOCKS = 2**40
 
 
 class BlockState(IntEnum):
@@ -247,43 +253,57 @@ class BlockAllocator:
         if n < 1:
             raise InvalidArgumentError(f"n: expected a positive number of blocks to add, got {n}")
         with self._lock:
-            old = self.num_blocks
-            new = old + n
-            # the two sentinels move from old, old+1 to new, new+1; the nodes linked to them are re-pointed
-            prev, nxt = array("q", self._prev), array("q", self._next)  # built first: a failure changes nothing
-            tail = array("q", [-1]) * (n + 2)
-            del prev[old:], nxt[old:]
-            prev.extend(tail)
-            nxt.extend(tail)
-            for lst, sentinel in ((self._free, new), (self._cached, new + 1)):
-                s = lst.sentinel
-                first, last = self._next[s], self._prev[s]
-                if first == s:  # empty
-                    prev[sentinel] = nxt[sentinel] = sentinel
-                else:
-                    nxt[sentinel], prev[first] = first, sentinel
-                    prev[sentinel], nxt[last] = last, sentinel
-            # the new blocks, in order, at the back of the free list
-            free_s = new
-            last = prev[free_s]
-            prev[old:new] = array("q", range(old - 1, new - 1))
-            nxt[old:new] = array("q", range(old + 1, new + 1))
-            prev[old], nxt[last] = last, old
-            nxt[new - 1], prev[free_s] = free_s, new - 1
-            # commit: extend the shared arrays in place (sequences hold references to refcount)
+            if n > MAX_BLOCKS - self.num_blocks:
+                raise InvalidArgumentError(
+                    f"n: expected at most {MAX_BLOCKS - self.num_blocks} more blocks (an allocator holds at most "
+                    f"{MAX_BLOCKS}; it holds {self.num_blocks}), got {n}"
+                )
             try:
-                self.refcount.extend(array("l", [0]) * n)
-                self.state.extend(bytes(n))  # FREE
-                self.cacheable.extend(bytes(n))
-            except BaseException:  # (out of memory) every array back to its old length
-                del self.refcount[old:], self.state[old:], self.cacheable[old:]
-                raise
-            self._prev[:] = prev
-            self._next[:] = nxt
-            self._free.sentinel, self._cached.sentinel = new, new + 1
-            self._free.size += n
-            self.num_blocks = new
-            return range(old, new)
+                return self._grow(n)
+            except MemoryError as exc:  # the per-block arrays could not be built: nothing was changed
+                raise CapacityExceededError(
+                    f"could not grow the allocator by {n} blocks: out of host memory", needed=n
+                ) from exc
+
+    def _grow(self, n: int) -> range:
+        """:meth:`grow` (checked, under the lock): build the new arrays, then commit them."""
+        old = self.num_blocks
+        new = old + n
+        # the two sentinels move from old, old+1 to new, new+1; the nodes linked to them are re-pointed
+        prev, nxt = array("q", self._prev), array("q", self._next)  # built first: a failure changes nothing
+        tail = array("q", [-1]) * (n + 2)
+        del prev[old:], nxt[old:]
+        prev.extend(tail)
+        nxt.extend(tail)
+        for lst, sentinel in ((self._free, new), (self._cached, new + 1)):
+            s = lst.sentinel
+            first, last = self._next[s], self._prev[s]
+            if first == s:  # empty
+                prev[sentinel] = nxt[sentinel] = sentinel
+            else:
+                nxt[sentinel], prev[first] = first, sentinel
+                prev[sentinel], nxt[last] = last, sentinel
+        # the new blocks, in order, at the back of the free list
+        free_s = new
+        last = prev[free_s]
+        prev[old:new] = array("q", range(old - 1, new - 1))
+        nxt[old:new] = array("q", range(old + 1, new + 1))
+        prev[old], nxt[last] = last, old
+        nxt[new - 1], prev[free_s] = free_s, new - 1
+        # commit: extend the shared arrays in place (sequences hold references to refcount)
+        try:
+            self.refcount.extend(array("l", [0]) * n)
+            self.state.extend(bytes(n))  # FREE
+            self.cacheable.extend(bytes(n))
+        except BaseException:  # (out of memory) every array back to its old length
+            del self.refcount[old:], self.state[old:], self.cacheable[old:]
+            raise
+        self._prev[:] = prev
+        self._next[:] = nxt
+        self._free.sentinel, self._cached.sentinel = new, new + 1
+        self._free.size += n
+        self.num_blocks = new
+        return range(old, new)
 
     # ------------------------------------------------------------------ events
     @property
@@ -374,12 +394,16 @@ class BlockAllocator:
 
     @property
     def num_active(self) -> int:
-        return self.num_blocks - self._free.size - self._cached.size
+        """Blocks held by a sequence. Its three counts are read together under the lock: a lock-free read could
+        see a growth's free blocks before its new ``num_blocks`` (a negative count) or a block between lists."""
+        with self._lock:
+            return self.num_blocks - self._free.size - self._cached.size
 
     @property
     def num_available(self) -> int:
-        """Blocks an allocation can take: free ones plus evictable cached ones."""
-        return self._free.size + self._cached.size
+        """Blocks an allocation can take: free ones plus evictable cached ones (both read under the lock)."""
+        with self._lock:
+            return self._free.size + self._cached.size
 
     def free_blocks(self) -> list[int]:
         with self._lock:

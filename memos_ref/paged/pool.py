@@ -7,17 +7,25 @@ Inside a layer a block is head-major ``[H, T, D]``.
 The pool is allocated once. When one contiguous allocation is not possible (seed 000 §6.1) it can be built
 from, or grown by, *segments*: several tensors of the same block shape whose block ids follow one another.
 Every operation takes global block ids and works across segments.
+
+Growth is safe beside lock-free readers: the segment layout is one immutable :class:`SegmentLayout` (the
+segments, their first ids and the block count together), replaced by a single assignment when a segment is
+added or dropped. Every operation reads it once, so a reader sees the pool before a growth or after it, never
+a half-published segment (copy-on-write and the tier copies read blocks without the allocator lock).
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
+import os
+import threading
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from memos_ref.errors import (
     ArgumentTypeError,
+    CapacityExceededError,
     ConfigError,
     DeviceError,
     DTypeError,
@@ -25,8 +33,10 @@ from memos_ref.errors import (
     InvalidBlockError,
     ShapeError,
     check_index,
+    check_layer_index,
     check_type,
 )
+from memos_ref.paged.allocator import MAX_BLOCKS
 from memos_ref.spec import KVSpec
 
 if TYPE_CHECKING:
@@ -35,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "POISON",
     "BlockPool",
+    "SegmentLayout",
     "check_block_id",
     "check_block_table",
     "check_kv",
@@ -48,8 +59,9 @@ POISON = float("nan")
 
 
 def check_layer(spec: KVSpec, layer: object) -> int:
-    """A layer index in ``[0, num_layers)`` as an int (:class:`ArgumentTypeError` / :class:`InvalidArgumentError`)."""
-    return check_index("layer", layer, lo=0, hi=spec.num_layers - 1)
+    """A layer index in ``[0, num_layers)`` as an int: :class:`ArgumentTypeError` for a non-integer,
+    :class:`LayerIndexError` (an :class:`InvalidArgumentError`) outside the range."""
+    return check_layer_index(layer, spec.num_layers)
 
 
 def check_block_id(block: object, num_blocks: int, name: str = "block") -> int:
@@ -166,6 +178,47 @@ def check_kv(spec: KVSpec, device: torch.device, key: torch.Tensor, value: torch
         raise DeviceError(f"key device {key.device} does not match the pool's {device}")
 
 
+class SegmentLayout(NamedTuple):
+    """One immutable snapshot of a pool's segments: published by a single assignment, read once per operation."""
+
+    #: The storage tensors, each ``[n_i, L, 2, H, T, D]``.
+    segments: tuple[torch.Tensor, ...]
+    #: Global id of each segment's first block (ascending, ``starts[0] == 0``).
+    starts: tuple[int, ...]
+    #: Blocks in all segments: valid ids are ``0 .. num_blocks - 1``.
+    num_blocks: int
+
+    def locate(self, block: int) -> tuple[torch.Tensor, int]:
+        """The segment holding a valid global block id, and the block's id inside it."""
+        if len(self.segments) == 1:
+            return self.segments[0], block
+        i = bisect.bisect_right(self.starts, block) - 1
+        return self.segments[i], block - self.starts[i]
+
+    def index(self, blocks: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Split valid global ids into (segment, positions in ``blocks``, local ids) groups."""
+        groups = []
+        for start, seg in zip(self.starts, self.segments):
+            inside = (blocks >= start) & (blocks < start + seg.shape[0])
+            if bool(inside.any()):
+                where = inside.nonzero().flatten()
+                groups.append((seg, where, blocks[where] - start))
+        return groups
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory on ``device`` (the host's physical memory for the CPU, the GPU's total for CUDA), or
+    ``None`` when unknown: an allocation larger than this is refused before it is tried."""
+    try:
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+    except (ValueError, OSError, RuntimeError, AssertionError):  # no sysconf names, no CUDA build
+        return None
+    return None
+
+
 class BlockPool:
     """Preallocated KV blocks for one model.
 
@@ -205,101 +258,131 @@ class BlockPool:
             raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
         if not isinstance(segments, int) or not 1 <= segments <= num_blocks:
             raise ConfigError(f"segments must be an int in [1, num_blocks={num_blocks}], got {segments!r}")
+        if num_blocks > MAX_BLOCKS:
+            raise ConfigError(f"num_blocks: expected at most {MAX_BLOCKS} blocks, got {num_blocks}")
         self.spec = spec
         self.device = torch.device(device)
-        self.segments: list[torch.Tensor] = []  # each [n_i, L, 2, H, T, D]
-        self._starts: list[int] = []  # global id of each segment's first block
+        self._check_fits(num_blocks)
+        self._layout = SegmentLayout((), (), 0)  # replaced whole, never changed in place
+        self._grow_lock = threading.Lock()  # one writer at a time (readers take no lock)
         base, extra = divmod(num_blocks, segments)
         for i in range(segments):
             self._add_segment(base + (1 if i < extra else 0))
 
     # ------------------------------------------------------------------ structure
+    def _check_fits(self, n: int) -> None:
+        """Refuse ``n`` new blocks whose bytes exceed the device's whole memory (:class:`CapacityExceededError`,
+        needed vs capacity), before any allocation is tried."""
+        needed, capacity = n * self.spec.bytes_per_block, device_memory(self.device)
+        if capacity is not None and needed > capacity:
+            raise CapacityExceededError(
+                f"{n} blocks of {self.spec.bytes_per_block} bytes need {needed} bytes; the {self.device} has "
+                f"{capacity} bytes in all",
+                needed=needed,
+                capacity=capacity,
+            )
+
     def _add_segment(self, n: int) -> None:
-        segment = torch.zeros((n, *self.spec.block_shape), dtype=self.spec.dtype, device=self.device)  # may fail
-        self._starts.append(self.num_blocks)
-        self.segments.append(segment)
+        """Allocate a segment of ``n`` blocks and publish it: one assignment of a new :class:`SegmentLayout`."""
+        try:
+            segment = torch.zeros((n, *self.spec.block_shape), dtype=self.spec.dtype, device=self.device)
+        except (RuntimeError, MemoryError) as exc:  # out of memory (torch.OutOfMemoryError is a RuntimeError)
+            needed = n * self.spec.bytes_per_block
+            raise CapacityExceededError(
+                f"could not allocate {n} blocks ({needed} bytes) on {self.device}: {exc}", needed=needed
+            ) from exc
+        old = self._layout
+        self._layout = SegmentLayout((*old.segments, segment), (*old.starts, old.num_blocks), old.num_blocks + n)
+
+    @property
+    def layout(self) -> SegmentLayout:
+        """The current segment layout: an immutable snapshot (read it once, then use only it)."""
+        return self._layout
+
+    def check_grow(self, n: object, name: str = "n") -> int:
+        """``n`` as the int number of blocks a :meth:`grow` may add, checked before any allocation and changing
+        nothing: :class:`ArgumentTypeError` for a non-integer; :class:`InvalidArgumentError` unless
+        ``1 <= n <= MAX_BLOCKS - num_blocks``; :class:`CapacityExceededError` when the new segment's bytes exceed
+        the device's whole memory (so ``grow(2**62)`` is refused by name, expected vs got, never by a raw
+        allocator error; an allocation that still fails is a :class:`CapacityExceededError` too)."""
+        have = self._layout.num_blocks
+        room = MAX_BLOCKS - have
+        n = check_index(name, n, lo=1)
+        if n > room:
+            raise InvalidArgumentError(
+                f"{name}: expected at most {room} more blocks (a pool holds at most {MAX_BLOCKS}; it holds {have}), "
+                f"got {n}"
+            )
+        self._check_fits(n)
+        return n
 
     def grow(self, n: int, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> range:
         """Add a segment of ``n`` blocks; returns the new block ids, which follow the old ones (grow the allocator by
         as many: :meth:`memos_ref.paged.store.PagedKV.grow` does both). ``dtype`` / ``device``, when given, must
         be the pool's (a segment of another dtype or device cannot join it: :class:`DTypeError` /
         :class:`DeviceError`). All or nothing: on any error (a bad ``n``, out of memory) the pool is unchanged."""
-        n = check_index("n", n, lo=1)
+        n = self.check_grow(n)
         if dtype is not None and dtype != self.spec.dtype:
             raise DTypeError(f"a new segment must hold the pool's dtype {self.spec.dtype}, got {dtype}")
         if device is not None and torch.device(device) != self.device:
             raise DeviceError(f"a new segment must live on the pool's device {self.device}, got {torch.device(device)}")
-        start = self.num_blocks
-        self._add_segment(n)
-        return range(start, start + n)
+        with self._grow_lock:
+            start = self._layout.num_blocks
+            self._add_segment(n)
+            return range(start, start + n)
 
     def shrink(self, ids: range) -> None:
         """Undo the last :meth:`grow`: drop its segment, whose ids ``ids`` it returned (the rollback of a grow
         whose allocator half failed; only the last segment, never the first, can go)."""
         check_type("ids", ids, range)
-        if len(self.segments) < 2 or ids != range(self._starts[-1], self.num_blocks):
-            raise InvalidArgumentError(
-                f"ids: only the last grown segment range({self._starts[-1]}, {self.num_blocks}) can be dropped "
-                f"(and never the first segment), got {ids}"
-            )
-        self.segments.pop()
-        self._starts.pop()
+        with self._grow_lock:
+            lay = self._layout
+            if len(lay.segments) < 2 or ids != range(lay.starts[-1], lay.num_blocks):
+                raise InvalidArgumentError(
+                    f"ids: only the last grown segment range({lay.starts[-1]}, {lay.num_blocks}) can be dropped "
+                    f"(and never the first segment), got {ids}"
+                )
+            self._layout = SegmentLayout(lay.segments[:-1], lay.starts[:-1], lay.starts[-1])
+
+    @property
+    def segments(self) -> list[torch.Tensor]:
+        """The storage tensors, each ``[n_i, L, 2, H, T, D]`` (a new list from one snapshot of the layout)."""
+        return list(self._layout.segments)
 
     @property
     def num_blocks(self) -> int:
-        return sum(seg.shape[0] for seg in self.segments)
+        return self._layout.num_blocks
 
     @property
     def nbytes(self) -> int:
-        return sum(seg.nbytes for seg in self.segments)
+        return sum(seg.nbytes for seg in self._layout.segments)
 
     @property
     def tensor(self) -> torch.Tensor:
         """The whole pool ``[num_blocks, L, 2, H, T, D]`` — only when it is a single segment (no copy)."""
-        if len(self.segments) != 1:
-            raise ConfigError(f"the pool has {len(self.segments)} segments; use block() or gather() instead")
-        return self.segments[0]
-
-    def _locate(self, block: int) -> tuple[torch.Tensor, int]:
-        block = check_block_id(block, self.num_blocks)
-        for start, seg in zip(reversed(self._starts), reversed(self.segments)):
-            if block >= start:
-                return seg, block - start
-        raise AssertionError("unreachable")
+        segments = self._layout.segments
+        if len(segments) != 1:
+            raise ConfigError(f"the pool has {len(segments)} segments; use block() or gather() instead")
+        return segments[0]
 
     def block(self, block: int) -> torch.Tensor:
         """A view of one block ``[L, 2, H, T, D]``."""
-        seg, local = self._locate(block)
+        lay = self._layout  # one snapshot: the id check and the lookup agree
+        seg, local = lay.locate(check_block_id(block, lay.num_blocks))
         return seg[local]
 
     def layer_view(self, layer: int, segment: int = 0) -> torch.Tensor:
         """Per-layer view of a segment ``[n, 2, H, T, D]`` (K at ``[:, 0]``, V at ``[:, 1]``) — no copy."""
         layer = check_layer(self.spec, layer)
-        segment = check_index("segment", segment, lo=0, hi=len(self.segments) - 1)
-        return self.segments[segment][:, layer]
-
-    def _index(self, blocks: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Split global ids into (segment, positions in ``blocks``, local ids) groups."""
-        groups = []
-        for start, seg in zip(self._starts, self.segments):
-            inside = (blocks >= start) & (blocks < start + seg.shape[0])
-            if bool(inside.any()):
-                where = inside.nonzero().flatten()
-                groups.append((seg, where, blocks[where] - start))
-        return groups
+        segments = self._layout.segments
+        segment = check_index("segment", segment, lo=0, hi=len(segments) - 1)
+        return segments[segment][:, layer]
 
     # ------------------------------------------------------------------ data movement
     def check_kv(self, key: torch.Tensor, value: torch.Tensor, layer: int | None = None) -> None:
         """Reject K/V ``[n, H, D]`` this pool cannot store (shape, dtype, device), naming expected and actual
         (``layer``, for the messages of pools that also check values, is unused here)."""
         check_kv(self.spec, self.device, key, value)
-
-    def _segment_of(self, block: int) -> tuple[torch.Tensor, int]:
-        """The segment holding a (valid) global block id, and the block's id inside it."""
-        if len(self.segments) == 1:
-            return self.segments[0], block
-        i = bisect.bisect_right(self._starts, block) - 1
-        return self.segments[i], block - self._starts[i]
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Scatter one layer's K/V ``[n, H, D]`` into ``slots [n]`` (slot = block · T + offset; -1 skips).
@@ -310,21 +393,24 @@ class BlockPool:
         """
         layer = check_layer(self.spec, layer)
         self.check_kv(key, value)
+        lay = self._layout  # one snapshot for the checks and the stores
         t = self.spec.block_size
         n = key.shape[0]
         if n <= self.DIRECT_WRITE_TOKENS:
-            self._store_runs(layer, _slot_list(slots, n, self.num_blocks * t), key, value)
+            self._store_runs(lay, layer, _slot_list(slots, n, lay.num_blocks * t), key, value)
             return
-        slots = check_slots(slots, n, self.num_blocks, t)
+        slots = check_slots(slots, n, lay.num_blocks, t)
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
         blocks, offsets = slots // t, slots % t
-        for seg, where, local in self._index(blocks):
+        for seg, where, local in lay.index(blocks):
             kv = seg[:, layer]  # [n, 2, H, T, D]
             kv[local, 0, :, offsets[where]] = key[where]
             kv[local, 1, :, offsets[where]] = value[where]
 
-    def _store_runs(self, layer: int, slots: list[int], key: torch.Tensor, value: torch.Tensor) -> None:
+    def _store_runs(
+        self, lay: SegmentLayout, layer: int, slots: list[int], key: torch.Tensor, value: torch.Tensor
+    ) -> None:
         """Copy K/V ``[n, H, D]`` into validated ``slots``, one slice per run of consecutive slots in a block."""
         t, i, n = self.spec.block_size, 0, len(slots)
         while i < n:
@@ -336,7 +422,7 @@ class BlockPool:
             while j < n and slots[j] == slots[j - 1] + 1 and slots[j] % t:
                 j += 1
             block, offset = divmod(start, t)
-            seg, local = self._segment_of(block)
+            seg, local = lay.locate(block)
             kv = seg[local, layer]  # view [2, H, T, D]
             kv[0, :, offset : offset + j - i] = key[i:j].transpose(0, 1)  # [H, run, D]
             kv[1, :, offset : offset + j - i] = value[i:j].transpose(0, 1)
@@ -349,23 +435,26 @@ class BlockPool:
         ``[2, H, n·T, D]`` reshape is a view.
         """
         layer = check_layer(self.spec, layer)
-        block_table, num_tokens = check_block_table(block_table, self.num_blocks, num_tokens, self.spec.block_size)
+        lay = self._layout  # one snapshot for the checks and the reads
+        block_table, num_tokens = check_block_table(block_table, lay.num_blocks, num_tokens, self.spec.block_size)
         n_blocks = -(-num_tokens // self.spec.block_size)
         h, t, d = self.spec.num_kv_heads, self.spec.block_size, self.spec.head_dim
-        if len(self.segments) == 1:
-            kv = gather_blocks(self.segments[0][:, layer], block_table[:n_blocks].tolist())  # [2, H, n, T, D]
+        if len(lay.segments) == 1:
+            kv = gather_blocks(lay.segments[0][:, layer], block_table[:n_blocks].tolist())  # [2, H, n, T, D]
         else:
             blocks = block_table[:n_blocks].to(self.device)
             kv = torch.empty((2, h, n_blocks, t, d), dtype=self.spec.dtype, device=self.device)
-            for seg, where, local in self._index(blocks):
+            for seg, where, local in lay.index(blocks):
                 kv[:, :, where] = seg[local, layer].permute(1, 2, 0, 3, 4)
         kv = kv.reshape(2, h, n_blocks * t, d)[:, :, :num_tokens]  # [2, H, S, D]
         return kv[0], kv[1]
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's contents (all layers) onto another: the copy of copy-on-write."""
-        src_view = self.block(src)
-        self.block(dst).copy_(src_view)
+        lay = self._layout  # one snapshot for both ids
+        src_seg, src_local = lay.locate(check_block_id(src, lay.num_blocks, "src"))
+        dst_seg, dst_local = lay.locate(check_block_id(dst, lay.num_blocks, "dst"))
+        dst_seg[dst_local].copy_(src_seg[src_local])
 
     def poison(self, block: int) -> None:
         """Fill a block with NaN (debug mode: makes a use-after-free visible)."""

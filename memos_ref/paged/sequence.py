@@ -37,6 +37,7 @@ from memos_ref.errors import (
     StateError,
     UseAfterFreeError,
     check_index,
+    check_layer_index,
     check_type,
 )
 from memos_ref.paged.allocator import BlockAllocator, BlockState
@@ -296,7 +297,7 @@ class SequenceCache:
         """Write ``n`` tokens' K/V ``[H, n, D]`` of one layer. The first layer to get past ``num_tokens``
         reserves the slots; the others reuse them. Returns the slots written."""
         self._check_live()
-        layer = check_index("layer", layer, lo=0, hi=len(self.layer_tokens) - 1)
+        layer = check_layer_index(layer, len(self.layer_tokens))
         check_type("key", key, torch.Tensor)
         check_type("value", value, torch.Tensor)
         if key.ndim != 3 or key.shape != value.shape:
@@ -721,7 +722,7 @@ class SequenceCache:
     def to_dense(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This sequence's K and V of one layer as dense ``[H, S, D]`` tensors (a copy, for checks)."""
         self._check_live()
-        layer = check_index("layer", layer, lo=0, hi=len(self.layer_tokens) - 1)
+        layer = check_layer_index(layer, len(self.layer_tokens))
         n = self.layer_tokens[layer]
         return self.pool.gather(layer, self.block_table_tensor(), n)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from memos_ref.errors import ConfigError, DeviceError, DTypeError, ShapeError, StateError
+from memos_ref.errors import ConfigError, DeviceError, DTypeError, ShapeError, StateError, check_layer_index
 from memos_ref.paged.sequence import SequenceCache
 
 __all__ = ["StepBatch", "rollback"]
@@ -159,8 +159,7 @@ class StepBatch:
         :attr:`slot_mapping`): the attention layer passes a kernel's write here (``memos_ref.attention.write_step``;
         this layer imports no kernel). The checks before and the bookkeeping after are the same; a store that
         raises leaves every row's counts as they were."""
-        if not 0 <= layer < len(self.written):
-            raise ConfigError(f"layer {layer} is not in [0, {len(self.written)})")
+        layer = check_layer_index(layer, len(self.written))
         if self.written[layer]:
             raise StateError(f"layer {layer} already wrote this step")
         for seq, start in zip(self.sequences, self.starts):

@@ -184,8 +184,13 @@ class PagedKV:
         All or nothing: a bad ``n_blocks`` (:class:`ArgumentTypeError` / :class:`InvalidArgumentError`), another
         dtype or device (:class:`DTypeError` / :class:`DeviceError`), or a pool that cannot grow — a
         quantized pool holds per-block payload, scales and staging bookkeeping sized once (:class:`ConfigError`)
-        — leaves the pool and the allocator exactly as they were. Returns the new block ids."""
+        — leaves the pool and the allocator exactly as they were; so does a size past the limits
+        (:class:`InvalidArgumentError` beyond :data:`~memos_ref.paged.allocator.MAX_BLOCKS` blocks,
+        :class:`CapacityExceededError` beyond the device's memory or when the allocation fails). Returns the new
+        block ids. Readers need no lock meanwhile: the pool publishes the new segment in one assignment."""
         n_blocks = check_index("n_blocks", n_blocks, lo=1)
+        if isinstance(self.pool, BlockPool):  # bounded before the lock and any allocation (grow(2**62))
+            self.pool.check_grow(n_blocks, "n_blocks")
         if not isinstance(self.pool, GrowablePool):
             raise ConfigError(
                 f"{type(self.pool).__name__} cannot grow: its per-block state is sized once; build the PagedKV with "
