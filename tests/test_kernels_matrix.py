@@ -196,3 +196,32 @@ def test_write_kv_matrix(dtype, block):
     wk.write_kv(key, value, slots, pool[:, 0], pool[:, 1])
     wk.write_kv_reference(key, value, slots, want[:, 0], want[:, 1])
     assert torch.equal(pool.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("kivi", [False, True])
+def test_one_split_writes_the_output_directly_without_a_reduce_launch(monkeypatch, kivi):
+    """Issue 25 item 5: the reduce kernel ran even with one split. Now one split writes the normalized output
+    itself (no reduce launch, no partials); two splits still merge through the reduce kernel."""
+    launches = []
+    real = pd.decode_reduce_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(pd, "decode_reduce_kernel", Counting())
+    q, pool, tables, lens = pd.random_paged_case(5, [40, 0, 17], group=4, block_size=16, device=DEVICE)
+    if kivi:
+        blocks = kd.random_kivi_blocks(5, pool.shape[0], block_size=16, staged=(int(tables[0, 0]),), device=DEVICE)
+        k, v = kd.kivi_dequantize(blocks)
+        call = lambda per: kd.paged_decode_attention_kivi_packed(q, blocks, tables, lens, tokens_per_split=per)  # noqa: E731
+    else:
+        k, v = pool[:, 0], pool[:, 1]
+        call = lambda per: pd.paged_decode_attention(q, k, v, tables, lens, tokens_per_split=per)  # noqa: E731
+    want = pd.paged_decode_reference(q, k, v, tables, lens)
+    one = call(64)  # the table holds 48 tokens: one split
+    assert launches == [] and torch.allclose(one, want, atol=1e-4)
+    assert torch.equal(one[1], torch.zeros_like(one[1]))  # the empty sequence: zeros
+    two = call(32)
+    assert len(launches) == 1 and torch.allclose(two, want, atol=1e-4)
