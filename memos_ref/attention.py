@@ -589,17 +589,30 @@ def _launch(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         ) from exc
 
 
+def _validate(step: StepBatch, what: str) -> bool | None:
+    """The ``validate`` argument of a kernel wrapper: the metadata's values (block tables, lengths, slots) are
+    checked at the step's first call of ``what`` — on the CPU; on a GPU that would be a host sync, and the kernels
+    mask every index they derive instead — and never again for the step's other layers."""
+    key = f"validated:{what}"
+    if key in step.notes:
+        return False
+    step.notes[key] = True
+    return None
+
+
 def _store_plain(step: StepBatch, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
     """``write_kv`` of ``key, value [B·n, H, D]`` into a float pool's layer at the step's slots."""
     view = step.pool.segments[0][:, layer]  # [N, 2, H, T, D]
-    _launch("write_kv", _triton().write_kv, key, value, step.slot_mapping, view[:, 0], view[:, 1])
+    _launch("write_kv", _triton().write_kv, key, value, step.slot_mapping, view[:, 0], view[:, 1],
+            validate=_validate(step, "write"))  # fmt: skip
 
 
 def _store_int8(step: StepBatch, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
     """``write_kv_int8`` into a streaming per-token int8 pool (the pool refuses values it cannot encode first)."""
     pool = step.pool
     pool.check_kv(key, value, layer)
-    _launch("write_kv_int8", _triton().write_kv_int8, key, value, step.slot_mapping, **pool.kernel_args(layer))
+    _launch("write_kv_int8", _triton().write_kv_int8, key, value, step.slot_mapping, **pool.kernel_args(layer),
+            validate=_validate(step, "write"))  # fmt: skip
 
 
 #: The kernel write of each path; a path without one writes through the pool (fp8 grows its block scales, KIVI
@@ -624,6 +637,7 @@ def _prefill_kernel(query: torch.Tensor, step: StepBatch, layer: int, scale: flo
         "paged_prefill_attention",
         _triton().paged_prefill_attention,
         query, view[:, 0], view[:, 1], step.block_tables, step.seq_lens, qlens, scale=scale,
+        validate=_validate(step, "prefill"),
     )  # fmt: skip
 
 
@@ -637,6 +651,7 @@ def _attend_kernel(path: str, query: torch.Tensor, step: StepBatch, layer: int, 
             "paged_decode_attention",
             tk.paged_decode_attention,
             query, view[:, 0], view[:, 1], tables, lens, scale=scale, max_seq_len=longest,
+            validate=_validate(step, "decode"),
         )  # fmt: skip
     if path in ("int8", "fp8"):
         args = pool.kernel_args(layer)
@@ -645,22 +660,20 @@ def _attend_kernel(path: str, query: torch.Tensor, step: StepBatch, layer: int, 
             tk.paged_decode_attention,
             query, args["key_codes"], args["value_codes"], tables, lens, scale=scale, max_seq_len=longest,
             quant=path, key_scale=args["key_scale"], value_scale=args["value_scale"],
+            validate=_validate(step, "decode"),
         )  # fmt: skip
     from memos_kernels.kivi_decode import KIVI_PAYLOAD, KiviBlocks
 
-    slot_map = step.notes.get("staging_slot")
-    if slot_map is None:  # the block -> slab row map lives on the CPU: one copy per step, after layer 0 staged
-        slot_map = step.notes["staging_slot"] = pool.staging_slot.to(pool.device)
-    args = pool.kernel_args(layer)
+    args = pool.kernel_args(layer)  # every tensor on the pool's device (the staging slot map refreshed if stale)
     blocks = KiviBlocks(
         *(args[name] for name in KIVI_PAYLOAD),
-        pool.staging[:, layer],
-        slot_map,
+        args["staging"],
+        args["staging_slot"],
         bits=args["bits"],
         group_size=args["group_size"],
     )
     return _launch(
         "paged_decode_attention_kivi",
         tk.paged_decode_attention_kivi_packed,
-        query, blocks, tables, lens, scale=scale, max_seq_len=longest,
+        query, blocks, tables, lens, scale=scale, max_seq_len=longest, validate=_validate(step, "decode"),
     )  # fmt: skip
