@@ -53,12 +53,15 @@ class SizedLRU(Generic[V]):
     def items(self) -> Iterator[tuple[str, V]]:
         return iter(self._items.items())
 
-    def put(self, key: str, value: V) -> None:
-        """Store ``value`` under ``key`` as the most recently used (replacing what it held)."""
-        if key in self._items:
-            self.pop(key)
-        self._items[key] = value
-        self.total += self._size_of(value)
+    def put(self, key: str, value: V) -> V | None:
+        """Store ``value`` under ``key`` as the most recently used; returns what it replaced (None if new)."""
+        items, size_of = self._items, self._size_of
+        old = items.pop(key, None)
+        if old is not None:
+            self.total -= size_of(old)
+        items[key] = value
+        self.total += size_of(value)
+        return old
 
     def touch(self, key: str) -> None:
         """Mark ``key`` most recently used (KeyError if absent)."""

@@ -17,6 +17,16 @@ failed call does depends on what failed:
   ``errors_oom``, ``errors_readonly``, ``errors_moved``, ...). The connection is fine, so it never degrades.
 
 Nothing a Redis server answers raises into the caller.
+
+**One public call, one timeout.** A backend wraps each public call (``get``, ``update``, ``stats``, ...) in
+:meth:`ResilientRedis.operation`. Inside it, the first connection failure ends the call's network traffic: every
+later Redis call of the same operation answers its fallback at once (counted ``skipped_ops``). So against a
+hung server (SIGSTOP, a dead network path) a call that makes several round trips — ``stats`` (SCAN, then
+INFO), the tier's ``stats`` (SCAN, then STRLEN), ``get_or_compute`` (a read, then a write) — returns after about
+one ``timeout``, not one per round trip. The time a caller's own code takes (``get_or_compute``'s ``compute``)
+is not counted. redis-py is built with no retries (``Retry(NoBackoff(), 0)``), a connect timeout equal to the
+read timeout and a non-blocking connection pool (a thread never waits for another's connection), so one Redis
+call blocks at most ``timeout``.
 """
 
 from __future__ import annotations
@@ -28,10 +38,12 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from memos_ref.errors import (
+    ArgumentTypeError,
     BackendDegradedWarning,
     BackendUnavailableError,
     ConfigError,
@@ -99,6 +111,8 @@ def validate_ttl(ttl: object, name: str = "ttl") -> float | None:
     """
     if ttl is None:
         return None
+    if isinstance(ttl, bool):  # a bool is an int to Python, never a number of seconds to a caller
+        raise ArgumentTypeError(f"{name}: expected a number of seconds or None, got bool ({ttl!r})")
     check_type(name, ttl, numbers.Real)
     seconds = _as_float(ttl)
     if seconds is None or not (math.isfinite(seconds) and 0 < seconds <= MAX_TTL_S):
@@ -186,6 +200,8 @@ class ResilientRedis:
         self.server_errors = (redis.RedisError,)
         self.url, self.retry_after, self.clock = url, retry_after, clock
         self.failure_threshold = failure_threshold
+        self.timeout = timeout  # the socket timeout (a given client's own apply to it)
+        self._op = threading.local()  # .depth (nesting), .failed (the operation lost its connection)
         if client is None:
             try:
                 client = redis.Redis.from_url(
@@ -223,14 +239,36 @@ class ResilientRedis:
             self.counts[f"errors_{kind}"] += 1
         return kind
 
+    @contextmanager
+    def operation(self) -> Iterator[None]:
+        """Bound one public call (see the module docstring): its Redis calls stop at the first connection
+        failure, so a hung server costs it one ``timeout``. Nested operations (a public call made by
+        another, on this thread) are part of the outer one."""
+        op = self._op
+        depth = getattr(op, "depth", 0)
+        if depth == 0:
+            op.failed = False
+        op.depth = depth + 1
+        try:
+            yield
+        finally:
+            op.depth = depth
+
     def call(self, fn: Callable[[], Any], fallback: Any) -> Any:
         """Run one Redis call; on any Redis error return ``fallback`` (see the module docstring)."""
         if self.is_down():
             self.count("degraded_ops")
             return fallback
+        op = self._op
+        in_op = getattr(op, "depth", 0) > 0
+        if in_op and op.failed:
+            self.count("skipped_ops")
+            return fallback
         try:
             result = fn()
         except self.errors as exc:  # the connection: maybe the server is gone
+            if in_op:
+                op.failed = True
             self.count_error(exc)
             self._connection_failed(exc)
             return fallback

@@ -7,27 +7,48 @@ here: TTL jitter, single-flight ``get_or_compute`` and negative caching of misse
 forms, and the stats API. :class:`~memos_ref.memory.sharded.MemoryBackend` keeps entries in this process;
 :class:`~memos_ref.memory.redis_backend.RedisBackend` keeps them in a Redis server that several processes share.
 
-Single flight is per process: concurrent misses for one key in one process compute once. Across processes,
-two may each compute once; the results are equal by assumption (a cache of a pure function), so the cost is
-bounded by the process count, not by the request rate.
+Single flight is per process: concurrent misses for one key in one process compute once. The leader hands its
+result to the callers waiting on it (each gets its own JSON copy), and a caller whose miss was read before a
+leader finished re-checks the store before it takes the lead, so a value just stored is never computed again.
+Across processes, two may each compute once; the results are equal by assumption (a cache of a pure function),
+so the cost is bounded by the process count, not by the request rate.
+
+Re-entry: ``update(key, fn)`` runs ``fn`` under the key's lock (in memory) or inside a ``WATCH`` (on Redis). A
+``fn`` that calls the same backend raises :class:`~memos_ref.errors.StateError` on every backend — it would
+deadlock on the lock, or land a nested write that the outer one silently overwrites.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import threading
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from memos_ref.errors import ArgumentTypeError, ConfigError, check_type
+from memos_ref.errors import ArgumentTypeError, ConfigError, StateError, check_type
+from memos_ref.memory.store import MISSING
 from memos_ref.resilient import MAX_TTL_S, validate_ttl
 
 __all__ = ["MISSING", "CacheBackend", "key_list"]
 
-#: What ``get_or_compute`` stores for a computation that found nothing (negative caching).
-MISSING = {"__memos_missing__": True}
+#: Completion stamps of single-flight computations, by a hash of the key (a fixed table: bounded memory).
+_STAMPS = 64
+
+
+class _Flight:
+    """One in-flight computation: its waiters read ``payload`` (the leader's result as JSON) once ``done`` is set."""
+
+    __slots__ = ("done", "ok", "payload")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.ok = False
+        self.payload: str | None = None
+
 
 #: Stand-in for "use the backend's default TTL" (``None`` means "never expires").
 DEFAULT = ...
@@ -64,8 +85,14 @@ class CacheBackend(ABC):
         self.default_ttl, self.negative_ttl, self.ttl_jitter = default_ttl, negative_ttl, ttl_jitter
         self._rng = random.Random(seed)
         self._rng_lock = threading.Lock()
-        self._inflight: dict[str, threading.Event] = {}
+        self._inflight: dict[str, _Flight] = {}
         self._inflight_lock = threading.Lock()
+        self._stamps = [0] * _STAMPS  # bumped (under _inflight_lock) when a flight for a key of that slot ends
+        #: the TTL of a write given no TTL, when it needs no per-write draw (no jitter); else DEFAULT
+        self._fixed_ttl = default_ttl if not ttl_jitter else DEFAULT
+        self._local = threading.local()  # .in_fn: this thread is running update()'s fn
+        self._fns_running = 0  # update() fns running in any thread: the fast path skips the re-entry check at 0
+        self._fns_lock = threading.Lock()
         self.computations = 0
         self.negative_hits = 0
 
@@ -104,6 +131,35 @@ class CacheBackend(ABC):
     def _counters(self) -> dict[str, int]:
         """Backend-specific counters for :meth:`stats`."""
 
+    def _lookup(self, key: str, absent: Any) -> Any:
+        """The live value, :data:`MISSING` for a negatively cached key, or ``absent``."""
+        return self.get(key, absent)
+
+    def _set_missing(self, key: str, ttl: float | None) -> None:  # noqa: B027 - optional: no negative caching
+        """Cache "nothing found" for ``key`` for ``ttl`` seconds (read back by :meth:`_lookup` as MISSING)."""
+
+    # ------------------------------------------------------------------ re-entry
+    def _check_reentry(self) -> None:
+        """Raise :class:`StateError` when called from inside ``update()``'s ``fn`` on this thread."""
+        if self._fns_running and getattr(self._local, "in_fn", False):
+            raise StateError(
+                f"the {self.name} store was called from inside update()'s fn: fn must compute the new value from "
+                "the current one only (it runs under the key's lock, or may be retried); read other keys before "
+                "calling update()"
+            )
+
+    def _run_fn(self, fn: Callable[[Any], Any], current: Any) -> Any:
+        """``fn(current)``, with every call back into this backend from this thread refused while it runs."""
+        with self._fns_lock:
+            self._fns_running += 1
+        self._local.in_fn = True
+        try:
+            return fn(current)
+        finally:
+            self._local.in_fn = False
+            with self._fns_lock:
+                self._fns_running -= 1
+
     # ------------------------------------------------------------------ shared behaviour
     def __contains__(self, key: str) -> bool:
         sentinel = object()
@@ -134,42 +190,57 @@ class CacheBackend(ABC):
 
     def get_or_compute(self, key: str, compute: Callable[[], Any], ttl: float | None = DEFAULT) -> Any:  # type: ignore[assignment]
         """The cached value, or ``compute()`` run by exactly one caller in this process while concurrent callers
-        for the same key wait for its result (single flight). A ``None`` result is cached as a miss for
-        ``negative_ttl`` seconds, so a storm of lookups for something that does not exist computes once."""
+        for the same key wait for its result (single flight): each waiter gets its own copy of the leader's
+        result, without another read. A ``None`` result is cached as a miss for ``negative_ttl`` seconds, so a
+        storm of lookups for something that does not exist computes once. If ``compute`` raises, the error
+        reaches the leader and one waiter takes the lead. A value a user stored always reads back as itself."""
+        self._check_reentry()
         if not callable(compute):
             raise ArgumentTypeError(f"compute: expected a callable, got {type(compute).__name__} ({compute!r:.80})")
         if ttl is not DEFAULT:
             validate_ttl(ttl)
-        sentinel = object()
+        slot = zlib.crc32(key.encode(errors="surrogatepass")) % _STAMPS if isinstance(key, str) else 0
+        absent = object()
+        rechecked = False
         while True:
-            value = self.get(key, sentinel)
-            if value is not sentinel:
-                if value == MISSING:
-                    self.negative_hits += 1
-                    return None
+            stamp = self._stamps[slot]
+            value = self._lookup(key, absent)
+            if value is MISSING:
+                self.negative_hits += 1
+                return None
+            if value is not absent:
                 return value
             with self._inflight_lock:
-                event = self._inflight.get(key)
-                leader = event is None
+                flight = self._inflight.get(key)
+                leader = flight is None and (rechecked or self._stamps[slot] == stamp)
                 if leader:
-                    event = self._inflight[key] = threading.Event()
+                    flight = self._inflight[key] = _Flight()
+            if flight is None:  # a flight for this slot ended after our read: it may have stored the key
+                rechecked = True
+                continue
             if not leader:
-                event.wait()
-                if self._degraded():
-                    return compute()  # the leader's result could not be stored: do not spin
-                continue  # read what the leader stored (or take over if it failed)
-            try:
-                self.computations += 1
-                result = compute()
-                if result is None:
-                    self.set(key, MISSING, self.negative_ttl)
-                else:
-                    self.set(key, result, ttl)
-                return result
-            finally:
-                with self._inflight_lock:
-                    del self._inflight[key]
-                event.set()
+                flight.done.wait()
+                if flight.ok:
+                    return None if flight.payload is None else json.loads(flight.payload)
+                continue  # the leader failed: read again, and maybe take the lead
+            return self._lead(key, compute, ttl, flight, slot)
+
+    def _lead(self, key: str, compute: Callable[[], Any], ttl: Any, flight: _Flight, slot: int) -> Any:
+        try:
+            self.computations += 1
+            result = compute()
+            if result is None:
+                self._set_missing(key, self.negative_ttl)
+            else:
+                self.set(key, result, ttl)
+                flight.payload = json.dumps(result)  # set() accepted it: it is JSON
+            flight.ok = True
+            return result
+        finally:
+            with self._inflight_lock:
+                del self._inflight[key]
+                self._stamps[slot] += 1
+            flight.done.set()
 
     def _degraded(self) -> bool:
         """True while the backend cannot store anything (a remote server is down)."""

@@ -15,6 +15,14 @@
 * **Every Redis error is a miss or a dropped write**, counted by kind (``errors_oom``, ``errors_readonly``,
   ``errors_wrongtype``, ``errors_moved``, ...): a full server, a replica, a value of another type planted at a
   key never raise into the caller.
+* **One call, one timeout**: each public call is one :meth:`~memos_ref.resilient.ResilientRedis.operation`:
+  after its first connection failure its other round trips are skipped, so against a hung server every call
+  returns after about ``timeout`` (not one ``timeout`` per round trip) and answers a miss or a dropped write.
+* **A key of another type** (a foreign client ran ``RPUSH`` on it): reads answer a miss (``errors_wrongtype``);
+  ``set`` and ``update`` overwrite it, as Redis's ``SET`` does — ``update`` computes ``fn(default)`` and stores
+  it, so what it returns is what ``get`` then reads.
+* **Negative caching** stores one NUL byte, which no JSON document is, so a user value can never be read back as
+  "nothing found" (nor the reverse).
 * **Untrusted values**: a value read back is bounded (``GETRANGE`` reads at most ``max_value_bytes + 1``
   bytes) and must decode as JSON; anything else (not UTF-8, not JSON, nested past the interpreter's recursion
   limit, too large) is counted ``corrupt`` and answered as a miss.
@@ -24,20 +32,39 @@ Point it at an existing Redis with ``RedisBackend("redis://host:6379/0", namespa
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from memos_ref.errors import ArgumentTypeError, ConfigError, check_type
 from memos_ref.memory.backend import DEFAULT, CacheBackend, key_list
-from memos_ref.memory.store import encode_value, validate_key
-from memos_ref.resilient import DEFAULT_FAILURE_THRESHOLD, DEFAULT_TIMEOUT_S, ResilientRedis, ttl_to_px
+from memos_ref.memory.store import MISSING, encode_value, validate_key
+from memos_ref.resilient import DEFAULT_FAILURE_THRESHOLD, DEFAULT_TIMEOUT_S, ResilientRedis, error_kind, ttl_to_px
 
 __all__ = ["RedisBackend"]
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+#: A negatively cached key's value: a NUL byte, never the JSON of anything (JSON text has no raw control bytes).
+_NEGATIVE = b"\x00"
+#: ``update`` attempts before a key that other clients keep writing is given up (counted a dropped write).
+_MAX_UPDATE_ATTEMPTS = 100
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _operation(method: F) -> F:
+    """One public call: refused from inside ``update``'s ``fn``, and bounded as one Redis operation."""
+
+    @functools.wraps(method)
+    def bounded(self: RedisBackend, *args: Any, **kwargs: Any) -> Any:
+        self._check_reentry()
+        with self.redis.operation():
+            return method(self, *args, **kwargs)
+
+    return bounded  # type: ignore[return-value]
 
 
 class RedisBackend(CacheBackend):
@@ -124,6 +151,8 @@ class RedisBackend(CacheBackend):
             return sentinel
         if not isinstance(raw, bytes) or not raw:
             return sentinel
+        if raw == _NEGATIVE:
+            return MISSING
         if len(raw) > self.max_value_bytes:
             self._count("corrupt")
             return sentinel
@@ -134,6 +163,7 @@ class RedisBackend(CacheBackend):
             return sentinel
 
     # ------------------------------------------------------------------ the primitives
+    @_operation
     def set(self, key: str, value: Any, ttl: float | None = DEFAULT) -> None:  # type: ignore[assignment]
         rkey = self._key(key)
         payload = encode_value(key, value, self.max_value_bytes)
@@ -144,20 +174,38 @@ class RedisBackend(CacheBackend):
             self._count("sets")
 
     def get(self, key: str, default: Any = None) -> Any:
+        value = self._lookup(key, default)
+        return default if value is MISSING else value
+
+    @_operation
+    def _lookup(self, key: str, absent: Any) -> Any:
         rkey = self._key(key)
         sentinel = object()
         value = self._decode(self._call(lambda: self._read(rkey), None), sentinel)
         if value is sentinel:
             self._count("misses")
-            return default
+            return absent
         self._count("hits")
         return value
 
+    @_operation
+    def _set_missing(self, key: str, ttl: float | None) -> None:
+        rkey, px = self._key(key), ttl_to_px(self.ttl_for_store(ttl))
+        if self._call(lambda: self.client.set(rkey, _NEGATIVE, px=px), None) is None:
+            self._count("dropped_sets")
+        else:
+            self._count("sets")
+
+    @_operation
     def update(self, key: str, fn: Callable[[Any], Any], default: Any = None, ttl: float | None = DEFAULT) -> Any:  # type: ignore[assignment]
         """Atomic read-modify-write by optimistic locking: ``WATCH`` the key, read it, compute ``fn`` here, then
         ``MULTI``/``SET``/``EXEC``; if another client wrote the key in between, ``EXEC`` fails and the whole
-        step is retried, so ``fn`` may run more than once. While the server is unreachable the write is dropped
-        (counted ``dropped_sets``) and ``fn(default)`` is returned, as ``get`` answers a miss."""
+        step is retried, so ``fn`` may run more than once. A key of another type (a list, a hash, ...), a value
+        that does not decode, or a negatively cached key counts as absent: ``fn(default)`` is stored over it,
+        as ``set`` overwrites. While the server is unreachable, or when it refuses the write (full, read-only),
+        the write is dropped (counted ``dropped_sets``) and ``fn`` of what was read (``default`` if nothing
+        could be read) is returned, as ``set`` drops a write. ``fn`` calling this backend raises
+        :class:`~memos_ref.errors.StateError`."""
         if not callable(fn):
             raise ArgumentTypeError(f"fn: expected a callable, got {type(fn).__name__} ({fn!r:.80})")
         from redis.exceptions import WatchError  # redis is imported when a client is made, not with this module
@@ -165,31 +213,51 @@ class RedisBackend(CacheBackend):
         rkey, px = self._key(key), ttl_to_px(self.ttl_for_store(ttl))
         sentinel = object()
         reads: list[bool] = []  # hit or miss of the read that the committed write was based on
+        computed: list[Any] = []  # fn's result of the last attempt (returned if the write is dropped)
+
+        def read_current(pipe: Any) -> Any:
+            try:
+                raw = pipe.getrange(rkey, 0, self.max_value_bytes)
+            except self.redis.server_errors as exc:
+                if error_kind(exc) != "wrongtype":
+                    raise
+                self.redis.count_error(exc)  # another client's list, hash, ...: overwritten, as set does
+                return sentinel
+            current = self._decode(raw, sentinel)
+            return sentinel if current is MISSING else current
 
         def read_modify_write() -> Any:
             with self.client.pipeline() as pipe:
-                while True:
+                for _ in range(_MAX_UPDATE_ATTEMPTS):
                     try:
                         pipe.watch(rkey)
-                        current = self._decode(pipe.getrange(rkey, 0, self.max_value_bytes), sentinel)
+                        current = read_current(pipe)
                         reads[:] = [current is not sentinel]
-                        value = fn(default if current is sentinel else current)
-                        payload = encode_value(key, value, self.max_value_bytes)
+                        computed[:] = [self._run_fn(fn, default if current is sentinel else current)]
+                        payload = encode_value(key, computed[0], self.max_value_bytes)
                         pipe.multi()
                         pipe.set(rkey, payload, px=px)
                         pipe.execute()
-                        return value
+                        return computed[0]
                     except WatchError:
                         self._count("update_retries")
+            return sentinel  # other clients kept writing the key: give up, as a dropped write
 
         value = self._call(read_modify_write, sentinel)
         if value is sentinel:
             self._count("dropped_sets")
-            return fn(default)
+            return computed[0] if computed else self._run_fn(fn, default)
         self._count("hits" if reads[0] else "misses")
         self._count("sets")
         return value
 
+    @_operation
+    def get_or_compute(self, key: str, compute: Callable[[], Any], ttl: float | None = DEFAULT) -> Any:  # type: ignore[assignment]
+        """See :meth:`CacheBackend.get_or_compute`; one operation, so against a hung server the read costs one
+        ``timeout`` and the write is skipped (``compute``'s own time is not bounded here)."""
+        return super().get_or_compute(key, compute, ttl)
+
+    @_operation
     def delete(self, key: str) -> bool:
         rkey = self._key(key)
         removed = bool(self._call(lambda: self.client.delete(rkey), 0))
@@ -197,13 +265,24 @@ class RedisBackend(CacheBackend):
             self._count("deletes")
         return removed
 
+    @_operation
     def ttl(self, key: str) -> float | None:
+        """Seconds left; KeyError when absent, unreachable, or holding a value of another type (which ``get``
+        answers as a miss too)."""
         rkey = self._key(key)
-        ms = self._call(lambda: self.client.pttl(rkey), -2)
-        if ms == -2:
+
+        def type_and_pttl() -> list:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.type(rkey)
+            pipe.pttl(rkey)
+            return pipe.execute(raise_on_error=False)
+
+        kind, ms = self._call(type_and_pttl, [b"none", -2])
+        if kind != b"string" or not isinstance(ms, int) or ms == -2:
             raise KeyError(key)
         return None if ms == -1 else ms / 1000
 
+    @_operation
     def clear(self) -> None:
         def unlink_namespace() -> int:
             removed, batch = 0, []
@@ -218,6 +297,7 @@ class RedisBackend(CacheBackend):
 
         self._count("deletes", self._call(unlink_namespace, 0))
 
+    @_operation
     def get_many(self, keys: Iterable[str]) -> dict[str, Any]:
         keys = key_list(keys)
         rkeys = [self._key(k) for k in keys]
@@ -234,11 +314,12 @@ class RedisBackend(CacheBackend):
             return {}
         sentinel = object()
         decoded = {k: self._decode(raw, sentinel) for k, raw in zip(keys, raws)}
-        found = {k: v for k, v in decoded.items() if v is not sentinel}
+        found = {k: v for k, v in decoded.items() if v is not sentinel and v is not MISSING}
         self._count("hits", len(found))
         self._count("misses", len(keys) - len(found))
         return found
 
+    @_operation
     def set_many(self, items: Mapping[str, Any], ttl: float | None = DEFAULT) -> None:  # type: ignore[assignment]
         """One round trip (a pipeline) for every item."""
         check_type("items", items, Mapping)
@@ -264,9 +345,11 @@ class RedisBackend(CacheBackend):
         self._count("sets", stored)
         self._count("dropped_sets", len(prepared) - stored)
 
+    @_operation
     def __len__(self) -> int:
         return self._call(lambda: sum(1 for _ in self.client.scan_iter(match=self.prefix + "*", count=1000)), 0)
 
+    @_operation
     def _counters(self) -> dict[str, int]:
         counts = dict(self.redis.counts)
         counts.setdefault("hits", 0)

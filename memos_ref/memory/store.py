@@ -8,8 +8,14 @@ Semantics (seed 002 §3, §7):
   scanning everything (stale heap entries — overwritten or deleted keys — are skipped by a version check);
 * values are stored as JSON bytes and every ``get`` decodes a fresh copy, so a caller can never mutate the
   stored value (§7.1's bug); the cost is one ``json.loads`` per hit, paid for safety;
-* capacity by entry count, total bytes and largest value (a value over the limit is refused with
-  :class:`CapacityExceededError`: §4.3, §7.3);
+* capacity by entry count, total bytes and largest value: a value (JSON bytes plus key) larger than
+  ``max_value_bytes`` *or* than ``max_bytes`` — one entry that could never fit the byte budget — is refused with
+  :class:`CapacityExceededError` and the store is left as it was (§4.3, §7.3);
+* values are strict JSON: NaN and infinities are refused (``ConfigError``), as are objects JSON cannot encode;
+  JSON's own conversions apply (a tuple reads back as a list, a non-string dict key as a string);
+* a negatively cached key (:meth:`set_missing`, used by ``get_or_compute``) holds an empty payload, which no
+  JSON value encodes to, so no user value can be mistaken for "nothing found";
+* ``update(key, fn)`` refuses re-entry: a ``fn`` that calls this store raises :class:`StateError`;
 * eviction policy ``"lru"``, ``"lfu"`` or ``"hybrid"`` — score ``(1 + a·access_count) / (1 + age/b)``, lowest
   evicted (§4.2; ``a`` = 0.1, ``b`` = 1000 s by default). LRU is O(1) (an ordered dict in access order); LFU
   and hybrid score the ``sample`` least recently used entries (default 16, as Redis approximates LFU), or all
@@ -20,20 +26,64 @@ from __future__ import annotations
 
 import heapq
 import json
+import json.encoder
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
-from memos_ref.errors import ArgumentTypeError, CapacityExceededError, ConfigError, check_type
+from memos_ref.errors import ArgumentTypeError, CapacityExceededError, ConfigError, StateError, check_type
 from memos_ref.lru import SizedLRU
 from memos_ref.resilient import validate_ttl
 
-__all__ = ["POLICIES", "KVEntry", "TTLStore", "encode_value", "validate_key"]
+__all__ = ["MISSING", "POLICIES", "KVEntry", "TTLStore", "encode_value", "json_text", "validate_key"]
 
 POLICIES = ("lru", "lfu", "hybrid")
 _MAX_KEY = 250
+
+
+def _json_text_fn() -> Callable[[Any], str]:
+    """Compact, strict JSON text (no NaN or infinities), as ``json.dumps(value, separators=(",", ":"),
+    allow_nan=False)`` writes it, from one C encoder built once (``json.dumps`` with any option builds a new
+    encoder, and ``JSONEncoder.encode`` a new C encoder, on every call). Without the circular-reference check: a
+    cycle ends in RecursionError, which :func:`encode_value` refuses like any value nested too deeply."""
+    proto = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+    make = json.encoder.c_make_encoder
+    if make is None:  # pragma: no cover - CPython always has the C accelerator
+        return proto.encode
+    args = (proto.default, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, False)
+    encoder = make(None, *args)
+    join = "".join
+
+    def json_text(value: Any) -> str:
+        if isinstance(value, str):  # the C encoder answers a bare string as a 1-tuple
+            return json.encoder.encode_basestring_ascii(value)
+        return join(encoder(value, 0))
+
+    return json_text
+
+
+#: ``value`` as compact, strict JSON text (see :func:`_json_text_fn`); the memory benchmark gives its
+#: cachetools peer this same function, so both sides pay the same JSON copy.
+json_text = _json_text_fn()
+#: The payload of a negatively cached key: no JSON value encodes to zero bytes.
+_NEGATIVE = b""
+
+
+class _Missing:
+    """The type of :data:`MISSING` (one instance; no JSON document decodes to it)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+#: What a lookup answers for a key that holds a cached "nothing found" (``get_or_compute``'s negative caching).
+#: A private object: it is never equal to a value a user stored, and decoding JSON can never produce it.
+MISSING = _Missing()
 
 
 def validate_key(key: str) -> str:
@@ -50,8 +100,8 @@ def encode_value(key: str, value: Any, max_value_bytes: int) -> bytes:
     """``value`` as compact JSON, refused when not JSON-serialisable or when it (with its key) exceeds
     ``max_value_bytes`` (seed 002 §4.3, §7.3)."""
     try:
-        payload = json.dumps(value, separators=(",", ":")).encode()
-    except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+        payload = json_text(value).encode()
+    except (TypeError, ValueError, RecursionError) as exc:  # ValueError: NaN, a cycle; RecursionError: too deep
         raise ConfigError(f"value for {key!r} is not JSON-serialisable: {type(exc).__name__}: {exc}") from None
     size = len(payload) + len(key)
     if size > max_value_bytes:
@@ -63,19 +113,42 @@ def encode_value(key: str, value: Any, max_value_bytes: int) -> bytes:
     return payload
 
 
-@dataclass
+@dataclass(slots=True, init=False)
 class KVEntry:
+    """One entry's metadata and payload. ``size_bytes``: the JSON value plus the key (computed when not given)."""
+
     key: str
-    payload: bytes  # the value as JSON
+    payload: bytes  # the value as JSON (empty: a negatively cached key)
     expire_at: float | None
     access_count: int
     last_access: float
     created: float
     version: int
+    size_bytes: int
 
-    @property
-    def size_bytes(self) -> int:
-        return len(self.payload) + len(self.key)
+    def __init__(
+        self,
+        key: str,
+        payload: bytes,
+        expire_at: float | None,
+        access_count: int,
+        last_access: float,
+        created: float,
+        version: int,
+        size_bytes: int = -1,
+    ) -> None:  # written out (not the dataclass's): one call per write, on the hot path of set
+        self.key, self.payload, self.expire_at, self.access_count = key, payload, expire_at, access_count
+        self.last_access, self.created, self.version = last_access, created, version
+        self.size_bytes = len(payload) + len(key) if size_bytes < 0 else size_bytes
+
+
+# An entry is kept as a list (built in one step, mutated in place; a KVEntry is made only for inspection):
+_PAYLOAD, _EXPIRE, _COUNT, _LAST, _CREATED, _VERSION, _SIZE = range(7)
+_entry_size = itemgetter(_SIZE)
+
+
+def _as_entry(key: str, e: list) -> KVEntry:
+    return KVEntry(key, *e)
 
 
 class TTLStore:
@@ -129,10 +202,13 @@ class TTLStore:
         self.policy, self.default_ttl, self.clock = policy, default_ttl, clock
         self.hybrid_a, self.hybrid_b = hybrid_weights
         self.sample = sample
-        self._entries: SizedLRU[KVEntry] = SizedLRU(lambda e: e.size_bytes)  # least recently used first
+        #: the largest entry accepted: one entry over ``max_bytes`` could never be held within the budget
+        self.max_item_bytes = min(max_value_bytes, max_bytes)
+        self._entries: SizedLRU[list] = SizedLRU(_entry_size)  # least recently used first
         self._heap: list[tuple[float, int, str]] = []  # (expire_at, version, key)
         self._version = 0
         self.stats: Counter[str] = Counter()
+        self._in_fn = False  # True while update()'s fn runs: a call back into this store is refused
 
     @property
     def bytes(self) -> int:
@@ -147,8 +223,8 @@ class TTLStore:
         entry = self._entries.get(key)
         return entry is not None and not self._expired(entry, self.clock())
 
-    def _expired(self, entry: KVEntry, now: float) -> bool:
-        return entry.expire_at is not None and now >= entry.expire_at
+    def _expired(self, entry: list, now: float) -> bool:
+        return entry[_EXPIRE] is not None and now >= entry[_EXPIRE]
 
     def _remove(self, key: str, reason: str | None = None) -> None:
         self._entries.pop(key)
@@ -156,42 +232,120 @@ class TTLStore:
             self.stats[reason] += 1
 
     def set(self, key: str, value: Any, ttl: float | None = ...) -> None:  # type: ignore[assignment]
-        """Store ``value`` (JSON-serialisable) for ``ttl`` seconds (default: the store's); resets its count."""
+        """Store ``value`` (JSON-serialisable) for ``ttl`` seconds (default: the store's); resets its count.
+        A value over :attr:`max_item_bytes` raises :class:`CapacityExceededError` with the store unchanged."""
+        self._check_reentry()
+        payload = self.encode(key, value)
+        self.put_encoded(key, payload, validate_ttl(self.default_ttl if ttl is ... else ttl))
+
+    def encode(self, key: str, value: Any) -> bytes:
+        """``value``'s stored form for ``key``: the key validated, the value as compact JSON within
+        :attr:`max_item_bytes` (refused with :class:`ConfigError` / :class:`CapacityExceededError`)."""
+        if type(key) is not str or not 0 < len(key) <= _MAX_KEY or " " in key or not key.isprintable():
+            validate_key(key)  # raises, saying why
+        try:
+            payload = json_text(value).encode()
+        except (TypeError, ValueError, RecursionError):
+            payload = encode_value(key, value, self.max_item_bytes)  # raises the error, with its message
+        if len(payload) + len(key) <= self.max_item_bytes:
+            return payload
+        try:
+            return encode_value(key, value, self.max_item_bytes)
+        except CapacityExceededError as exc:
+            if self.max_item_bytes < self.max_value_bytes:  # the byte budget is the binding limit: say so
+                raise CapacityExceededError(
+                    f"{exc}: max_bytes is {self.max_bytes}, so an entry this large could never be held",
+                    needed=exc.needed,
+                    capacity=self.max_item_bytes,
+                ) from None
+            raise
+
+    def set_under(self, lock: Any, key: str, value: Any, ttl: float | None) -> None:
+        """:meth:`set` for :class:`ShardedStore`: encode ``value`` (validating ``key``) outside ``lock`` — a
+        context manager, the shard's lock — then write under it. ``ttl`` is already validated."""
+        if type(key) is str and 0 < len(key) <= _MAX_KEY and " " not in key and key.isprintable():
+            try:  # the common case of encode(), inline (one call less on the hot path)
+                payload = json_text(value).encode()
+            except (TypeError, ValueError, RecursionError):
+                payload = self.encode(key, value)  # raises, saying why
+            if len(payload) + len(key) > self.max_item_bytes:
+                payload = self.encode(key, value)  # raises, saying why
+        else:
+            payload = self.encode(key, value)  # raises, saying why
+        with lock:
+            if self._in_fn:
+                self._check_reentry()
+            now = self.clock()
+            entries = self._entries
+            version = self._version = self._version + 1
+            size = len(payload) + len(key)
+            if ttl is None:
+                old = entries.put(key, [payload, None, 0, now, now, version, size])
+            else:
+                expire_at = now + ttl
+                old = entries.put(key, [payload, expire_at, 0, now, now, version, size])
+                heapq.heappush(self._heap, (expire_at, version, key))
+            self.stats["sets"] += 1
+            if entries.total > self.max_bytes or (old is None and len(entries) > self.max_entries):
+                self._evict_to_fit(protect=key)  # an overwrite adds no entry: only its bytes can overflow
+
+    def set_missing(self, key: str, ttl: float | None) -> None:
+        """Cache "nothing found" for ``key`` (read back by :meth:`lookup` as :data:`MISSING`; by :meth:`get` as
+        absent)."""
+        self._check_reentry()
         validate_key(key)
-        payload = encode_value(key, value, self.max_value_bytes)
-        ttl = validate_ttl(self.default_ttl if ttl is ... else ttl)
+        self.put_encoded(key, _NEGATIVE, validate_ttl(ttl))
+
+    def put_encoded(self, key: str, payload: bytes, ttl: float | None) -> None:
+        """The write path of :meth:`set` for a ``payload`` that :meth:`encode` made and a ``ttl`` already
+        validated (:class:`ShardedStore` encodes outside its shard lock and writes under it)."""
         now = self.clock()
-        if key in self._entries:
-            self._remove(key)
-        self._version += 1
-        expire_at = None if ttl is None else now + ttl
-        entry = KVEntry(key, payload, expire_at, 0, now, now, self._version)
-        self._entries.put(key, entry)
-        if expire_at is not None:
-            heapq.heappush(self._heap, (expire_at, self._version, key))
+        entries = self._entries
+        version = self._version = self._version + 1
+        size = len(payload) + len(key)
+        if ttl is None:
+            entries.put(key, [payload, None, 0, now, now, version, size])  # replaces, as the most recent
+        else:
+            expire_at = now + ttl
+            entries.put(key, [payload, expire_at, 0, now, now, version, size])
+            heapq.heappush(self._heap, (expire_at, version, key))
         self.stats["sets"] += 1
-        self._evict_to_fit(protect=key)
+        if len(entries) > self.max_entries or entries.total > self.max_bytes:
+            self._evict_to_fit(protect=key)
 
     def get(self, key: str, default: Any = None) -> Any:
-        """A fresh copy of the value, or ``default`` if missing or expired. Never extends the TTL."""
-        validate_key(key)
-        now = self.clock()
+        """A fresh copy of the value, or ``default`` if missing or expired (or negatively cached). Never extends
+        the TTL."""
+        value = self.lookup(key, default)
+        return default if value is MISSING else value
+
+    def lookup(self, key: str, absent: Any = None) -> Any:
+        """As :meth:`get`, but a negatively cached key answers :data:`MISSING` (``absent`` when there is no
+        live entry). Counts a hit or a miss."""
+        if self._in_fn:
+            self._check_reentry()
+        if type(key) is not str or not 0 < len(key) <= _MAX_KEY or " " in key or not key.isprintable():
+            validate_key(key)  # raises, saying why
         entry = self._entries.get(key)
         if entry is None:
             self.stats["misses"] += 1
-            return default
-        if self._expired(entry, now):
+            return absent
+        now = self.clock()
+        expire_at = entry[_EXPIRE]
+        if expire_at is not None and now >= expire_at:
             self._remove(key, "expirations")
             self.stats["misses"] += 1
-            return default
-        entry.access_count += 1
-        entry.last_access = now
+            return absent
+        entry[_COUNT] += 1
+        entry[_LAST] = now
         self._entries.touch(key)
         self.stats["hits"] += 1
-        return json.loads(entry.payload)
+        payload = entry[_PAYLOAD]
+        return json.loads(payload) if payload else MISSING
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; True if a live entry was removed (an expired one is dropped and reported as absent)."""
+        self._check_reentry()
         validate_key(key)
         entry = self._entries.get(key)
         if entry is None:
@@ -208,10 +362,11 @@ class TTLStore:
         now = self.clock()
         if entry is None or self._expired(entry, now):
             raise KeyError(key)
-        return None if entry.expire_at is None else entry.expire_at - now
+        return None if entry[_EXPIRE] is None else entry[_EXPIRE] - now
 
     def clear(self) -> None:
         """Drop every entry (counted as ``deletes``)."""
+        self._check_reentry()
         self.stats["deletes"] += len(self._entries)
         self._entries.clear()
         self._heap.clear()
@@ -219,21 +374,38 @@ class TTLStore:
     def update(self, key: str, fn: Callable[[Any], Any], default: Any = None, ttl: float | None = ...) -> Any:  # type: ignore[assignment]
         """Store and return ``fn(current)`` (``current``: the live value, or ``default``). One shard is not
         thread-safe: :meth:`ShardedStore.update` runs this under the shard's lock. If ``fn`` raises or its
-        result is refused, the store is unchanged (the read still counts a hit or a miss)."""
+        result is refused, the store is unchanged (the read still counts a hit or a miss). ``fn`` must not call
+        this store: a call from inside it raises :class:`StateError` (under a shard lock it would deadlock)."""
         if not callable(fn):
             raise ArgumentTypeError(f"fn: expected a callable, got {type(fn).__name__} ({fn!r:.80})")
-        value = fn(self.get(key, default))
+        value = self.run_fn(fn, self.get(key, default))
         self.set(key, value, ttl)
         return value
+
+    def run_fn(self, fn: Callable[[Any], Any], current: Any) -> Any:
+        """``fn(current)`` with every call back into this store refused (:class:`StateError`) while it runs."""
+        self._check_reentry()
+        self._in_fn = True
+        try:
+            return fn(current)
+        finally:
+            self._in_fn = False
+
+    def _check_reentry(self) -> None:
+        if self._in_fn:
+            raise StateError(
+                "the store was called from inside update()'s fn: fn must compute the new value from the current one "
+                "only (it runs under the key's lock); read other keys before calling update()"
+            )
 
     def entry(self, key: str) -> KVEntry | None:
         """The entry's metadata (a copy), for inspection."""
         entry = self._entries.get(key)
-        return None if entry is None else KVEntry(**vars(entry))
+        return None if entry is None else _as_entry(key, entry)
 
     def entries(self) -> list[KVEntry]:
         """Copies of every entry's metadata (expired ones not yet swept included), least recently used first."""
-        return [KVEntry(**vars(entry)) for entry in self._entries.values()]
+        return [_as_entry(key, entry) for key, entry in self._entries.items()]
 
     @property
     def heap_size(self) -> int:
@@ -247,32 +419,35 @@ class TTLStore:
         while self._heap and self._heap[0][0] <= now:
             _, version, key = heapq.heappop(self._heap)
             entry = self._entries.get(key)
-            if entry is not None and entry.version == version:  # else: stale (overwritten or deleted)
+            if entry is not None and entry[_VERSION] == version:  # else: stale (overwritten or deleted)
                 self._remove(key, "expirations")
                 removed += 1
         if len(self._heap) > 4 * max(16, len(self._entries)):  # too many stale entries: rebuild
-            self._heap = [(e.expire_at, e.version, k) for k, e in self._entries.items() if e.expire_at is not None]
+            self._heap = [(e[_EXPIRE], e[_VERSION], k) for k, e in self._entries.items() if e[_EXPIRE] is not None]
             heapq.heapify(self._heap)
         return removed
 
     def score(self, entry: KVEntry, now: float) -> float:
         """Higher is more worth keeping."""
+        return self._score(entry.access_count, entry.last_access, now)
+
+    def _score(self, access_count: int, last_access: float, now: float) -> float:
         if self.policy == "lfu":
-            return float(entry.access_count)
-        age = max(0.0, now - entry.last_access)
-        return (1 + self.hybrid_a * entry.access_count) / (1 + age / self.hybrid_b)
+            return float(access_count)
+        age = max(0.0, now - last_access)
+        return (1 + self.hybrid_a * access_count) / (1 + age / self.hybrid_b)
 
     def _victim(self, protect: str) -> str:
         if self.policy == "lru":
             return self._entries.oldest(exclude=protect)
         now = self.clock()
-        candidates: list[tuple[str, KVEntry]] = []
+        candidates: list[tuple[str, list]] = []
         for key, entry in self._entries.items():  # least recently used first
             if key != protect:
                 candidates.append((key, entry))
             if self.sample is not None and len(candidates) >= self.sample:
                 break
-        return min(candidates, key=lambda item: self.score(item[1], now))[0]
+        return min(candidates, key=lambda item: self._score(item[1][_COUNT], item[1][_LAST], now))[0]
 
     def _evict_to_fit(self, protect: str) -> None:
         if len(self._entries) > self.max_entries or self.bytes > self.max_bytes:

@@ -15,6 +15,7 @@ is answered as a miss and counted ``corrupt``. Nothing raises into the caller fo
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import os
 import re
@@ -23,6 +24,7 @@ import socket
 import stat
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -32,7 +34,7 @@ from typing import Any
 
 import torch
 
-from memos_ref.errors import ArgumentTypeError, ConfigError, check_type
+from memos_ref.errors import ArgumentTypeError, ConfigError, StateError, check_type
 from memos_ref.lru import SizedLRU
 from memos_ref.resilient import (
     DEFAULT_FAILURE_THRESHOLD,
@@ -49,6 +51,18 @@ _KEY = re.compile(r"[A-Za-z0-9_-]{1,128}")
 #: Redis's largest string value: the default read bound of the Redis tier.
 _REDIS_MAX_VALUE = 512 * 2**20
 _BYTES = (bytes, bytearray, memoryview)
+
+
+def _operation(method: Callable[..., Any]) -> Callable[..., Any]:
+    """One public call of the Redis tier, bounded as one Redis operation (:meth:`ResilientRedis.operation`): a
+    hung server costs it one timeout, however many round trips it makes."""
+
+    def bounded(self: RedisTierBackend, *args: Any, **kwargs: Any) -> Any:
+        with self.redis.operation():
+            return method(self, *args, **kwargs)
+
+    bounded.__name__, bounded.__doc__ = method.__name__, method.__doc__
+    return bounded
 
 
 def validate_block_key(key: str) -> str:
@@ -286,6 +300,64 @@ def temp_name(pid: int | None = None) -> str:
     return f".tmp-{_HOST}-{os.getpid() if pid is None else pid}-{secrets.token_hex(6)}"
 
 
+class _RootBooks:
+    """What every :class:`DiskBackend` of this process on one root shares: the books (sizes in LRU order), the
+    lock that guards them, and the descriptor holding the root's inter-process lock (``root/.lock``)."""
+
+    def __init__(self, lock_fd: int | None) -> None:
+        self.sizes: SizedLRU[int] = SizedLRU(int)
+        self.lock = threading.RLock()
+        self.lock_fd = lock_fd
+        self.users = 0
+
+
+_ROOTS: dict[Path, _RootBooks] = {}
+_ROOTS_LOCK = threading.Lock()
+_LOCK_NAME = ".lock"
+
+
+def _lock_root(root: Path) -> int | None:
+    """Take ``root/.lock`` exclusively for this process (a POSIX record lock: released by the kernel when the
+    process exits, even by a crash). Raises :class:`StateError` when another live process holds it; None when
+    the file cannot be made (a read-only root: nothing can be written there anyway)."""
+    try:
+        root_fd = os.open(root, _DIR_FLAGS)
+        try:
+            fd = os.open(_LOCK_NAME, os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o644, dir_fd=root_fd)
+        finally:
+            os.close(root_fd)
+    except OSError as exc:
+        if exc.errno in _UNSAFE_ERRNOS:
+            raise ConfigError(f"disk tier root {str(root)!r}: {_LOCK_NAME} is a symlink or a directory") from None
+        return None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        if exc.errno in (errno.EACCES, errno.EAGAIN):
+            raise StateError(
+                f"disk tier root {str(root)!r} is in use by another process (pid {holder:.20}): one process per "
+                "root — give each process its own root (or share blocks through the Redis tier)"
+            ) from None
+        return None  # a file system without record locks: unlocked
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def _release_root(root: Path) -> None:
+    with _ROOTS_LOCK:
+        books = _ROOTS.get(root)
+        if books is None:
+            return
+        books.users -= 1
+        if books.users == 0:
+            del _ROOTS[root]
+            if books.lock_fd is not None:
+                os.close(books.lock_fd)  # releases the inter-process lock
+
+
 class DiskBackend(_BudgetLRU):
     """One file per block under ``root`` (``root/ab/abcd….kvb``), written atomically: a temporary file in the
     same directory, fsync, then rename — a crash leaves the old file or the new one, never half of one.
@@ -297,6 +369,14 @@ class DiskBackend(_BudgetLRU):
     read, written or deleted outside ``root``. A read opens with ``O_NONBLOCK`` and checks with ``fstat`` that
     it has a regular file of at most ``max_item_bytes`` before reading a byte (a FIFO, a device or a huge file
     is a miss, counted ``corrupt``, and its directory entry is removed).
+
+    **One root, one process.** The root is locked for the process (``root/.lock``, a POSIX record lock the kernel
+    drops when the process exits, even by a crash): a backend in another process on the same root raises
+    :class:`StateError` naming the holder's pid. Backends of one process on one root share one set of books (and
+    one lock), so each put evicts until the root's total fits that backend's budget: the smallest budget among
+    them holds after its puts, the largest always. The lock is released when every backend of the process on the
+    root is closed (:meth:`close`) or garbage-collected. At start the backend adopts the files found and evicts
+    the least recently modified ones until they fit its budget (a restart with a smaller budget).
 
     Temporary files are named ``.tmp-{host}-{pid}-{token}``; at start only stale ones are removed — written by
     a process of this host that is no longer alive, or older than ``stale_tmp_s`` — so a backend starting in one
@@ -332,11 +412,29 @@ class DiskBackend(_BudgetLRU):
             raise ConfigError(f"cannot use {os.fspath(root)!r} as a disk tier root: {exc}") from None
         if not self.root.is_dir():
             raise ConfigError(f"disk tier root {str(self.root)!r} is not a directory")
-        found: list[tuple[float, str, int]] = []
-        for shard in self._shards():
-            found += self._scan_shard(shard)
-        for _, key, size in sorted(found):
-            self._sizes.put(key, size)
+        with _ROOTS_LOCK:
+            books = _ROOTS.get(self.root)
+            if books is None:
+                books = _ROOTS[self.root] = _RootBooks(_lock_root(self.root))  # StateError: another process
+            books.users += 1
+        self._closer = weakref.finalize(self, _release_root, self.root)
+        self._sizes, self._lock = books.sizes, books.lock  # shared with this process's other backends here
+        with self._lock:
+            found: list[tuple[float, str, int]] = []
+            for shard in self._shards():
+                found += self._scan_shard(shard)
+            adopted = {key for _, key, _ in found}
+            for key in [k for k in self._sizes if k not in adopted]:  # gone from disk since
+                self._sizes.pop(key)
+            for _, key, size in sorted(found):
+                if key not in self._sizes:
+                    self._sizes.put(key, size)
+            self._make_room(0, keep=None)  # the budget holds from the start
+
+    def close(self) -> None:
+        """Stop using the root: once every backend of this process on it is closed, its lock is released (a
+        closed backend must not be used again)."""
+        self._closer()
 
     # ------------------------------------------------------------------ paths, confined
     def path(self, key: str) -> Path:
@@ -593,6 +691,7 @@ class RedisTierBackend(TierBackend):
             return None
         return raw
 
+    @_operation
     def put(self, key: str, data: bytes) -> bool:
         rkey = self._k(key)
         _check_data(data)
@@ -602,6 +701,7 @@ class RedisTierBackend(TierBackend):
         self.counts["puts" if ok else "dropped_puts"] += 1
         return bool(ok)
 
+    @_operation
     def get(self, key: str) -> bytes | None:
         rkey = self._k(key)
         raw = self.redis.call(lambda: self.redis.client.getrange(rkey, 0, self.max_item_bytes), None)
@@ -609,6 +709,7 @@ class RedisTierBackend(TierBackend):
         self.counts["hits" if data is not None else "misses"] += 1
         return data
 
+    @_operation
     def get_many(self, keys: Iterable[str]) -> dict[str, bytes]:
         keys = _key_list(keys)
         rkeys = [self._k(k) for k in keys]
@@ -629,6 +730,7 @@ class RedisTierBackend(TierBackend):
         self.counts["misses"] += len(keys) - len(found)
         return found
 
+    @_operation
     def put_many(self, items: Mapping[str, bytes]) -> dict[str, bool]:
         check_type("items", items, Mapping)
         prepared = []
@@ -654,10 +756,12 @@ class RedisTierBackend(TierBackend):
         self.counts["dropped_puts"] += len(ok) - stored
         return ok
 
+    @_operation
     def delete(self, key: str) -> bool:
         rkey = self._k(key)
         return bool(self.redis.call(lambda: self.redis.client.delete(rkey), 0))
 
+    @_operation
     def contains(self, key: str) -> bool:
         rkey = self._k(key)
         return bool(self.redis.call(lambda: self.redis.client.exists(rkey), 0))
@@ -665,6 +769,7 @@ class RedisTierBackend(TierBackend):
     def _scan(self) -> list[bytes]:
         return self.redis.call(lambda: list(self.redis.client.scan_iter(match=self.prefix + "*", count=1000)), [])
 
+    @_operation
     def keys(self) -> list[str]:
         """The block keys of this namespace. Keys another client planted under the prefix that are not valid
         block keys (not UTF-8, wrong characters) are skipped and counted ``foreign_keys``."""
@@ -681,6 +786,7 @@ class RedisTierBackend(TierBackend):
         return out
 
     @property
+    @_operation
     def nbytes(self) -> int:
         def total() -> int:
             keys = self.keys()  # block keys only: what other clients planted under the prefix is not ours
@@ -693,12 +799,14 @@ class RedisTierBackend(TierBackend):
 
         return self.redis.call(total, 0)
 
+    @_operation
     def clear(self) -> None:
         """Remove this namespace's blocks (SCAN + UNLINK; never FLUSHDB on a shared server)."""
         keys = self._scan()
         for i in range(0, len(keys), 1000):
             self.redis.call(lambda i=i: self.redis.client.unlink(*keys[i : i + 1000]), 0)
 
+    @_operation
     def stats(self) -> dict[str, Any]:
         base = {**self.counts, **{f"redis_{k}": v for k, v in self.redis.counts.items()}}
         base["degraded"] = int(self.redis.is_down())
