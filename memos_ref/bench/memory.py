@@ -4,9 +4,16 @@ Throughput: a seeded read-heavy workload (90% get / 10% set, keys drawn by a Zip
 space, JSON values of about 100 bytes) run on the memory backend with 1 and 8 shards, from 1 and 4 threads;
 on the Redis backend (a private redis-server on loopback, one round trip per call, and batched ``MGET``);
 and on ``cachetools.TTLCache`` behind one lock, the well-known Python TTL cache, both as it is (it hands out
-the stored object) and with the same JSON copy ours makes (equal safety). Each configuration runs 3 times;
-the median counts. Under CPython's GIL, sharding cannot make threads run in parallel — the figure shows what
-it does buy.
+the stored object) and with the same JSON copy ours makes (equal safety: the very function ours encodes with,
+:func:`~memos_ref.memory.store.json_text`, and ``json.loads``). Each configuration runs 3 times; the median
+counts.
+
+Ours against cachetools + the JSON copy, ``set`` and ``get`` each: the two run the same op list alternately,
+round after round (:func:`~memos_ref.bench.common.time_interleaved_ms`, the order rotated each round), and the
+figure is the median [min–max] of the per-round time ratios ours / cachetools (``ratio_stats``), not a ratio of
+medians. The peers' versions (cachetools, redis-py, redis-server) are in the result's ``peers``.
+
+Under CPython's GIL, sharding cannot make threads run in parallel — the figure shows what it does buy.
 
 Hit rates: the seeded agent access pattern of :mod:`memos_ref.memory.access_pattern` replayed cache-aside
 through each eviction policy at a capacity of 128 entries (exact, deterministic figures), with the unbounded
@@ -24,11 +31,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from memos_ref.bench.common import envelope, format_table, time_calls_ms
+from memos_ref.bench.common import envelope, format_table, ratio_stats, time_calls_ms, time_interleaved_ms
 from memos_ref.errors import ConfigError
 from memos_ref.memory import MemoryBackend, RedisBackend, RedisServer, TTLStore, redis_server_path
 from memos_ref.memory.access_pattern import agent_memory_trace, replay_hit_rate
 from memos_ref.memory.backend import key_list
+from memos_ref.memory.store import json_text
 
 __all__ = ["POLICY_CONFIGS", "human", "ops_per_s", "plot", "policy_hit_rates", "run"]
 
@@ -134,9 +142,26 @@ class _LockedTTLCache:
         return json.loads(value) if self.copy and isinstance(value, str) else value
 
     def set(self, key: str, value: Any) -> None:
-        stored = json.dumps(value, separators=(",", ":")) if self.copy else value
+        stored = json_text(value) if self.copy else value  # the encoder the memory store uses
         with self.lock:
             self.cache[key] = stored
+
+
+def paired_ratios(
+    ours: Callable[[str, Any], Any], peer: Callable[[str, Any], Any], ops: list[tuple[str, Any]], rounds: int
+) -> dict[str, float | None]:
+    """Median [min–max] over ``rounds`` of the time ratio ours / peer, each round running ``fn(key, arg)`` for
+    every op on both sides, in an order rotated each round (one untimed warm-up round)."""
+
+    def loop(fn: Callable[[str, Any], Any]) -> Callable[[], None]:
+        def run_ops() -> None:
+            for key, arg in ops:
+                fn(key, arg)
+
+        return run_ops
+
+    samples = time_interleaved_ms({"ours": loop(ours), "peer": loop(peer)}, rounds, warmup=1)
+    return {**ratio_stats(samples["ours"], samples["peer"]), "rounds": rounds}
 
 
 def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
@@ -153,7 +178,20 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
             backend_set(key, _value(key))
 
     steps = [("memory", 1, 1), ("memory", 8, 1), ("memory", 1, 4), ("memory", 8, 4)]
-    bar = tqdm(total=len(steps) + 4, desc="bench memory", disable=not progress)
+    bar = tqdm(total=len(steps) + 5, desc="bench memory", disable=not progress)
+    # ours (1 shard) against cachetools + the same JSON copy, side by side, round by round
+    rounds = 5 if quick else 15
+    ours = MemoryBackend(shards=1, max_entries=num_keys * 2, default_ttl=300.0)
+    peer = _LockedTTLCache(num_keys * 2, copy=True)
+    preload(ours.set)
+    preload(peer.set)
+    set_pairs = [(k, v) for _, k, v in set_only]
+    get_pairs = [(k, None) for _, k, _ in get_only]
+    paired = {
+        "set": paired_ratios(ours.set, peer.set, set_pairs, rounds),
+        "get": paired_ratios(ours.get, peer.get, get_pairs, rounds),
+    }
+    bar.update()
     for backend_name, shards, threads in steps:
         store = MemoryBackend(shards=shards, max_entries=num_keys * 2, default_ttl=300.0)
         preload(store.set)
@@ -216,6 +254,9 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
             base["mix_ops_per_s"] / find("cachetools_ttl_json_copy", 1, 1)["mix_ops_per_s"], 3
         ),
         "hit_rate_by_policy": {name: round(r["hit_rate"], 4) for name, r in hit_rates.items()},
+        # time ours / cachetools + the same JSON copy, per round: median [min-max] (issue 29 item 3)
+        "set_time_over_cachetools_json_copy": paired["set"],
+        "get_time_over_cachetools_json_copy": paired["get"],
     }
     if redis_note is None:
         r1, r4 = find("redis", 1, 1), find("redis", 1, 4)
@@ -232,6 +273,8 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, Any]:
         "redis_ops": redis_ops,
         "mix": "90% get / 10% set, Zipf(1.1) keys, ~100-byte JSON values",
         "repeats": 3,
+        "paired_rounds": rounds,
+        "paired": "ours (1 shard) vs cachetools.TTLCache + lock + json_text/json.loads, same ops, interleaved",
         "hit_rate_capacity": 128,
         "hit_rate_trace_ops": 4_000 if quick else 20_000,
         "redis": redis_note or "private redis-server on 127.0.0.1",
@@ -249,6 +292,7 @@ def human(report: dict[str, Any]) -> str:
     lines.append(format_table(hit_rows, ["policy", "hit_rate", "hit_rate_hot", "hit_rate_tool", "hit_rate_scan"]))
     lines.append("")
     lines += [f"{k}: {v}" for k, v in report["summary"].items() if k != "hit_rate_by_policy"]
+    lines.append(f"peers: {report.get('peers')}")
     return "\n".join(lines)
 
 
