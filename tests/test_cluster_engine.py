@@ -45,3 +45,47 @@ def test_quantized_pools_are_refused_clearly():
     check_disaggregable(PagedKV(spec, 4))  # unquantized: accepted
     with pytest.raises(ConfigError, match="quantized"):
         check_disaggregable(PagedKV(spec, 4, quant=FP8E4M3(), prefix_caching=False))
+
+
+def test_planted_values_and_a_full_node_while_requests_run(redis_cluster):
+    """A prompt's published blocks are replaced under the engine — one by a list (WRONGTYPE), one by a block file
+    with a valid header and a wrong body (its metadata agreeing) — and one master is full (OOM, noeviction): a
+    second engine serves the prompt with the same tokens, reusing exactly the blocks before the damaged one,
+    with every fault counted."""
+    import hashlib
+
+    import redis
+
+    from memos_ref.bench.cluster import SYSTEM, _serve, _stack
+    from memos_ref.model.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    prompt = [tok.bos_id, *tok.encode("Planted: " + SYSTEM[:300])]
+    _, kv, writer_backend, writer, spec, _ = _stack(redis_cluster.url, "test-planted")
+    expected = _serve(writer, prompt, 4)["output"]
+    t = spec.block_size
+    keys = [h.hex() for h in kv.prefix_cache.hashes(prompt[: (len(prompt) - 1) // t * t])]
+    assert writer_backend.get_many(keys).keys() == set(keys)  # every full block was published
+    client = writer_backend.client
+    vk = lambda k: f"{writer_backend.prefix}{{{k}}}:v"  # noqa: E731
+    mk = lambda k: f"{writer_backend.prefix}{{{k}}}:m"  # noqa: E731
+    client.delete(vk(keys[6]))
+    client.rpush(vk(keys[6]), b"not a block")  # wrong type
+    body = bytearray(client.get(vk(keys[3])))
+    body[-9] ^= 0x5A  # a valid header, a wrong body
+    client.set(vk(keys[3]), bytes(body))
+    client.set(mk(keys[3]), f"{len(body)}:{hashlib.blake2b(bytes(body), digest_size=16).hexdigest()}")
+    full = int(client.get_node_from_key(vk(keys[0])).port)
+    node = redis.Redis(port=full)
+    node.config_set("maxmemory", "1")
+    try:
+        _, _, backend, reader, _, _ = _stack(redis_cluster.url, "test-planted", timeout=0.5)
+        got = _serve(reader, prompt, 4)
+    finally:
+        node.config_set("maxmemory", "0")
+    assert got["output"] == expected  # no wrong KV
+    assert got["reused"] == 3 * t  # blocks 0-2 reloaded; block 3 failed its checksum, the rest was recomputed
+    store = reader.kv.tier_manager.store.stats()["cluster"]
+    assert store["corrupt"] == 1 and backend.error_counts["wrongtype"] == 1
+    assert backend.error_counts["oom"] >= 1 and reader.tier_counts["publish_dropped"] >= 1  # the full node's writes
+    assert backend.slowest_call_s < 0.5 * 10  # bounded by the timeout (generous slack for a loaded machine)
