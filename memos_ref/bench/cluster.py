@@ -314,7 +314,13 @@ def run(quick: bool = False, progress: bool = False) -> dict[str, Any]:
 def render_markdown(result: dict[str, Any]) -> str:
     """The summary as a Markdown table (for the README)."""
     s = result["summary"]
-    rows = [(k, f"{v:.3g}" if isinstance(v, float) else str(v)) for k, v in s.items()]
+
+    def cell(v: Any) -> str:
+        if isinstance(v, list):
+            return "–".join(cell(x) for x in v)
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    rows = [(k, cell(v)) for k, v in s.items()]
     return "\n".join(["| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
 
 
