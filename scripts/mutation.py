@@ -130,7 +130,7 @@ def prepare_tree(tree: Path, modules: list[str], tests: list[str], max_children:
         "only_mutate": modules,
         "also_copy": ["memos_kernels", "memos_edge"],
         "pytest_add_cli_args_test_selection": tests,
-        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--timeout=600"],
+        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--timeout=120"],
     }
     lines = ["", "[tool.mutmut]"] + [f"{k} = {json.dumps(v)}" for k, v in config.items()]
     with open(tree / "pyproject.toml", "a") as f:
@@ -263,13 +263,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {module}: {entry['totals']}")
         record["runs"].append(run_summary)
         print(f"   {area}: {seconds} s")
-    if not args.list:
-        record["commit"] = head
-        from importlib.metadata import version
-
-        record["tool"] = f"mutmut {version('mutmut')}"
-        RESULTS.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+        save(record, head)  # after each area: an interrupted run keeps what finished
     return 0
+
+
+def save(record: dict, head: str) -> None:
+    from importlib.metadata import version
+
+    record["commit"] = head
+    record["tool"] = f"mutmut {version('mutmut')}"
+    RESULTS.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
 
 
 if __name__ == "__main__":
