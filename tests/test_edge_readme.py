@@ -22,6 +22,9 @@ def test_every_generated_block_equals_the_planner_now():
     names = _BLOCK.findall(text)
     assert sorted(name for name, _ in names) == sorted(tables())  # every table is in the README, once
     assert fill(text) == text, "regenerate: python -m memos_edge.report --write edge/README.md"
+    page = (REPO / "docs" / "jetson.md").read_text()  # the book page carries two of the tables
+    assert [name for name, _ in _BLOCK.findall(page)] == ["calibration", "blocks"]
+    assert fill(page) == page, "regenerate: python -m memos_edge.report --write docs/jetson.md"
 
 
 def _planner_numbers() -> set[str]:
