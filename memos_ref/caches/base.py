@@ -14,9 +14,23 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from memos_ref.errors import DeviceError, DTypeError, LayerIndexError, ShapeError, check_type
+from memos_ref.errors import (
+    DeviceError,
+    DTypeError,
+    LayerIndexError,
+    ShapeError,
+    UnsupportedModelError,
+    check_layer_index,
+    check_type,
+)
 
-__all__ = ["MAX_LAZY_LAYERS", "MemosCache", "check_new_kv"]
+__all__ = ["MAX_LAZY_LAYERS", "MLA_HINT", "MemosCache", "check_new_kv"]
+
+#: Why K and V of different head dims are refused (the hint :class:`~memos_ref.hf.PagedCache` gives too).
+MLA_HINT = (
+    "K and V of different widths, as in multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi-K2, MiniCPM3): MLA "
+    "is not supported — the package's caches store K and V of one head_dim; use transformers' DynamicCache for it"
+)
 
 #: Without ``num_layers``, layers are created on first use; an index past this is surely a mistake.
 MAX_LAZY_LAYERS = 1024
@@ -32,6 +46,11 @@ def check_new_kv(layer: CacheLayerMixin, key: torch.Tensor, value: torch.Tensor)
     check_type("value_states", value, torch.Tensor)
     if key.ndim != 4:
         raise ShapeError(f"key must be 4-D [batch, kv_heads, new_tokens, head_dim], got shape {tuple(key.shape)}")
+    if value.ndim == 4 and key.shape[:-1] == value.shape[:-1] and key.shape[-1] != value.shape[-1]:
+        raise UnsupportedModelError(
+            f"{type(layer).__name__}: key head_dim {key.shape[-1]} != value head_dim {value.shape[-1]} "
+            f"(key {tuple(key.shape)}, value {tuple(value.shape)}): {MLA_HINT}"
+        )
     if key.shape != value.shape:
         raise ShapeError(f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}")
     if key.dtype != value.dtype:
@@ -82,14 +101,12 @@ class MemosCache(Cache):
         A rejected call leaves the cache exactly as it was, including layers it would have created.
         """
         check_type("layer_idx", layer_idx, int)
-        if layer_idx < 0:
-            raise LayerIndexError(f"layer_idx must be an int >= 0, got {layer_idx!r}")
-        if self.num_layers is not None and layer_idx >= self.num_layers:
-            raise LayerIndexError(f"layer_idx {layer_idx} is out of range: this cache has {self.num_layers} layers")
-        if self.num_layers is None and layer_idx >= MAX_LAZY_LAYERS:
+        if self.num_layers is not None:
+            check_layer_index(layer_idx, self.num_layers, "layer_idx")
+        elif not 0 <= layer_idx < MAX_LAZY_LAYERS:
             raise LayerIndexError(
-                f"layer_idx {layer_idx} is beyond {MAX_LAZY_LAYERS - 1}, the largest a lazily grown cache accepts; "
-                f"pass num_layers to bound the cache explicitly"
+                f"layer_idx {layer_idx} is out of range: expected a layer index in [0, {MAX_LAZY_LAYERS}) (the most "
+                f"a lazily grown cache accepts; pass num_layers to bound the cache explicitly), got {layer_idx}"
             )
         layers_before = len(self.layers)
         try:
