@@ -8,6 +8,7 @@ or plain torch) the way torch's own benchmarks do (blocked runs on one thread).
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 
 from memos_ref.errors import InvalidArgumentError
 
-__all__ = ["Timing", "time_ms"]
+__all__ = ["Timing", "best_ms", "device_timings", "stopwatch", "time_ms"]
 
 
 @dataclass(frozen=True)
@@ -49,3 +50,33 @@ def time_ms(fn: Callable[[], Any], device: torch.device | str = "cpu", *, budget
         measurement = Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=budget_ms / 1e3)
         times = [t * 1e3 for t in measurement.times]
     return Timing(statistics.median(times), min(times), max(times), len(times))
+
+
+def stopwatch() -> float:
+    """Seconds on a monotonic clock: for budgets, deadlines and phase times (not for kernel timings)."""
+    return time.monotonic()
+
+
+def device_timings(fn: Callable[[], Any], device: torch.device | str, *, rep_ms: int = 40) -> dict[str, Any]:
+    """Median milliseconds of ``fn()`` with ``triton.testing.do_bench`` (``do_bench_ms``) beside
+    ``do_bench_cudagraph`` (``cudagraph_ms``: launch overhead removed; ``None`` with ``cudagraph_error`` when the
+    capture is refused) on a GPU; on the CPU one wall-clock call (``cudagraph_ms`` ``None``), the caller having
+    run ``fn`` once already."""
+    if torch.device(device).type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return {"do_bench_ms": (time.perf_counter() - t0) * 1e3, "cudagraph_ms": None}
+    import triton.testing
+
+    res: dict[str, Any] = {"do_bench_ms": float(triton.testing.do_bench(fn, rep=rep_ms, return_mode="median"))}
+    try:
+        res["cudagraph_ms"] = float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+    except Exception as exc:  # capture can refuse (an allocation or a host sync inside): keep the row
+        res["cudagraph_ms"] = None
+        res["cudagraph_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return res
+
+
+def best_ms(timings: dict[str, Any]) -> float:
+    """The faster of :func:`device_timings`' two medians (the CUDA-graph one when the capture worked)."""
+    return min(x for x in (timings["do_bench_ms"], timings["cudagraph_ms"]) if x is not None)
