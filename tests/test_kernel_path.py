@@ -241,3 +241,31 @@ def test_importing_the_kernels_does_not_import_transformers():
 
     assert memos_ref.ConcatCache.__name__ == "ConcatCache" and memos_ref.KVSpec is KVSpec  # still public, lazily
     assert set(memos_ref.__all__) <= set(dir(memos_ref))
+
+
+def test_kernel_metadata_is_validated_once_per_step_not_per_layer(monkeypatch):
+    """Issue 25 item 5: every layer re-validated its block tables and lengths (on a GPU a host sync per layer).
+    Now the step's first call of each kernel passes ``validate=None`` (checked on the CPU, masked in the kernel
+    on a GPU) and every other layer ``validate=False``; the outputs still equal the reference's."""
+    monkeypatch.setenv("MEMOS_REF_KERNELS", KERNEL_MODE)
+    seen: dict[str, list] = {"write_kv": [], "paged_decode_attention": []}
+    for name in seen:
+        real = getattr(triton_paged, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            seen[_name].append(k.get("validate", "absent"))
+            return _real(*a, **k)
+
+        monkeypatch.setattr(triton_paged, name, spy)
+    spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype=torch.float32, block_size=8, num_q_heads=4)
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, h, 1, 16, generator=g).to(DEVICE) for h in (4, 2, 2))
+    outs = {}
+    for mode in (KERNEL_MODE, "reference"):
+        monkeypatch.setenv("MEMOS_REF_KERNELS", mode)
+        cache = PagedCache(PagedKV(spec, 8, device=DEVICE))
+        cache.prepare_step(2, 1)
+        outs[mode] = [cache.attend(q, k, v, layer) for layer in range(3)]
+    assert seen == {"write_kv": [None, False, False], "paged_decode_attention": [None, False, False]}
+    for got, want in zip(outs[KERNEL_MODE], outs["reference"], strict=True):
+        assert torch.allclose(got, want, atol=1e-5)
