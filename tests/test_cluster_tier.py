@@ -160,3 +160,25 @@ def test_metrics_per_node_and_error_kind(redis_cluster):
     assert f'memos_cluster_errors_total{{kind="wrongtype",node="127.0.0.1:{port}"}} 1.0' in text
     assert "memos_cluster_hits_total 2.0" in text and "memos_cluster_node_rounds_total{" in text
     b.clear()
+
+
+def test_cluster_server_leaves_nothing_behind():
+    """A cluster's processes are ended and its directory removed on exit; 1-2 masters are formed by hand, without
+    replicas (refused with ConfigError); a bad option starts nothing."""
+    import os
+
+    import pytest
+    from redis_cluster import running_cluster
+
+    from memos_ref.errors import ConfigError
+    from memos_ref.tiering.cluster_server import ClusterServer
+
+    with pytest.raises(ConfigError, match="without replicas"):
+        ClusterServer(2, 1)
+    with running_cluster(masters=1, replicas=0) as cluster:
+        processes = [n.process for n in cluster.nodes]
+        home = cluster.directory
+        b = ClusterTierBackend(cluster.url, fingerprint=FP)
+        assert b.put("one", b"1") and b.get("one") == b"1" and cluster.master_ports() == [cluster.nodes[0].port]
+        b.close()
+    assert home and all(p.poll() is not None for p in processes) and not os.path.exists(home)

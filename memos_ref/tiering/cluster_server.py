@@ -124,6 +124,11 @@ class ClusterServer:
         """Every node as ``(host, port)`` (give several, so a dead first node does not stop a client starting)."""
         return [("127.0.0.1", n.port) for n in self.nodes]
 
+    @property
+    def directory(self) -> str | None:
+        """The temporary directory holding every node's files (None once stopped)."""
+        return None if self._dir is None else self._dir.name
+
     def node(self, port: int) -> ClusterNode:
         for n in self.nodes:
             if n.port == port:
@@ -330,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--masters", type=int, default=3)
     parser.add_argument("--replicas", type=int, default=1)
     args = parser.parse_args(argv)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops the cluster as Ctrl-C does: no server is left behind
+
+    signal.signal(signal.SIGTERM, interrupt)
     with ClusterServer(args.masters, args.replicas) as cluster:
         print(f"Redis Cluster ready (pid {os.getpid()}): {' '.join(n.address for n in cluster.nodes)}")
         print(f"  ClusterTierBackend({cluster.url!r}, fingerprint=...)   Ctrl-C stops it and removes its files")
