@@ -17,10 +17,21 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from memos_ref.errors import InvalidArgumentError
 from memos_ref.paged.allocator import BlockState
 from memos_ref.paged.store import PagedKV
 
-__all__ = ["PoolSnapshot", "draw", "draw_steps", "legend_handles", "snapshot", "stepper"]
+__all__ = [
+    "PoolSnapshot",
+    "draw",
+    "draw_block_table",
+    "draw_fork",
+    "draw_kv_attention",
+    "draw_steps",
+    "legend_handles",
+    "snapshot",
+    "stepper",
+]
 
 
 @dataclass(frozen=True)
@@ -181,3 +192,98 @@ def stepper(snapshots: list[PoolSnapshot], columns: int | None = None) -> Any:
 
     slider = widgets.IntSlider(value=len(snapshots) - 1, min=0, max=len(snapshots) - 1, description="step")
     return widgets.interactive(show, step=slider)
+
+
+# ------------------------------------------------------------------------------------------- concept diagrams
+def _box(ax: Any, x: float, y: float, text: str, colour: str, width: float = 0.9, height: float = 0.8) -> Any:
+    import matplotlib.patches as mpatches
+
+    patch = mpatches.FancyBboxPatch((x, y), width, height, boxstyle="round,pad=0.02", fc=colour, ec="black", lw=0.8)
+    ax.add_patch(patch)
+    ax.text(x + width / 2, y + height / 2, text, ha="center", va="center", fontsize=9)
+    return patch
+
+
+def _arrow(ax: Any, start: tuple[float, float], end: tuple[float, float], colour: str = "black") -> Any:
+    return ax.annotate("", xy=end, xytext=start, arrowprops={"arrowstyle": "->", "color": colour, "lw": 1.0})
+
+
+def draw_kv_attention(cache: Any, layer: int = 0, new_tokens: int = 1, ax: Any = None) -> Any:
+    """Where the cached K/V enter attention, from a real cache (anything with ``get_seq_length``): the
+    ``past`` cached keys and values (grey) and this step's new ones (orange) are read by the new token's query;
+    the new K/V are appended to the cache. Returns the axes (one arrow per key the query reads)."""
+    import matplotlib.pyplot as plt
+
+    total = int(cache.get_seq_length(layer))
+    past = total - new_tokens
+    if not 0 <= past <= total:
+        raise InvalidArgumentError(f"new_tokens={new_tokens}: expected 0..{total} (the tokens the cache holds)")
+    shown = list(range(total)) if total <= 12 else [*range(4), -1, *range(total - 7, total)]
+    ax = ax or plt.subplots(figsize=(max(6.0, 0.75 * len(shown) + 2), 3.2))[1]
+    for col, pos in enumerate(shown):
+        if pos < 0:
+            ax.text(col + 0.45, 1.4, "…", ha="center", fontsize=14)
+            continue
+        colour = "#f4a261" if pos >= past else "#d9d9d9"
+        _box(ax, col, 2.0, f"k{pos}", colour)
+        _box(ax, col, 0.2, f"v{pos}", colour)
+        _arrow(ax, (len(shown) + 0.9, 1.4), (col + 0.45, 2.0), "#1d3557")
+    _box(ax, len(shown) + 0.9, 1.0, f"q{total - 1}", "#a8dadc", width=1.0)
+    ax.text(-0.2, 3.05, f"cached: {past} tokens (grey), this step: {new_tokens} (orange, appended)", fontsize=9)
+    ax.set_xlim(-0.3, len(shown) + 2.2)
+    ax.set_ylim(0, 3.4)
+    ax.axis("off")
+    ax.set_title("attention at a decode step: the new query reads every cached key; its weights mix the values")
+    return ax
+
+
+def draw_block_table(block_table: list[int], num_tokens: int, block_size: int, num_blocks: int, ax: Any = None) -> Any:
+    """A block table mapping logical blocks (a sequence's, top) to physical blocks of the pool (bottom), from
+    a real ``SequenceCache``'s ``block_table``; the last logical block shows how full it is. One arrow per
+    logical block."""
+    import matplotlib.pyplot as plt
+
+    ax = ax or plt.subplots(figsize=(max(6.0, 0.8 * num_blocks), 3.0))[1]
+    used = set(block_table)
+    for physical in range(num_blocks):
+        _box(ax, physical, 0.2, f"#{physical}", "#8ecae6" if physical in used else "white")
+    offset = (num_blocks - len(block_table)) / 2
+    for logical, physical in enumerate(block_table):
+        filled = min(block_size, num_tokens - logical * block_size)
+        _box(ax, offset + logical, 2.2, f"L{logical}\n{filled}/{block_size}", "#ffb703")
+        _arrow(ax, (offset + logical + 0.45, 2.2), (physical + 0.45, 1.0))
+    ax.text(-0.2, 3.15, f"logical blocks of one sequence ({num_tokens} tokens)", fontsize=9)
+    ax.text(-0.2, -0.25, f"physical blocks of the pool (table = {block_table})", fontsize=9)
+    ax.set_xlim(-0.3, num_blocks + 0.2)
+    ax.set_ylim(-0.5, 3.4)
+    ax.axis("off")
+    return ax
+
+
+def draw_fork(parent_table: list[int], child_table: list[int], refcounts: Any, ax: Any = None) -> Any:
+    """Copy-on-write after a fork, from the two real block tables and the allocator's refcounts: blocks both
+    tables list are shared (dark red, label = refcount); the child's block that differs is its private copy
+    of the partly filled tail (green). One arrow per table entry."""
+    import matplotlib.pyplot as plt
+
+    blocks = sorted(set(parent_table) | set(child_table))
+    x = {b: i for i, b in enumerate(blocks)}
+    ax = ax or plt.subplots(figsize=(max(6.0, 1.1 * len(blocks) + 2), 3.4))[1]
+    for b in blocks:
+        shared = b in parent_table and b in child_table
+        colour = "#9d0208" if shared else ("#95d5b2" if b in child_table else "#8ecae6")
+        label = f"#{b}\nref {int(refcounts[b])}" if shared else f"#{b}"
+        _box(ax, x[b] * 1.1 + 1.2, 1.3, label, colour)
+        if shared:
+            ax.texts[-1].set_color("white")
+    for row, (name, table) in enumerate((("parent", parent_table), ("child", child_table))):
+        y = 2.9 if row == 0 else -0.3
+        ax.text(0.0, y + 0.3, name, fontsize=10, fontweight="bold")
+        for b in table:
+            end_y = 2.1 if row == 0 else 1.3
+            _arrow(ax, (x[b] * 1.1 + 1.65, y + (0 if row == 0 else 0.6)), (x[b] * 1.1 + 1.65, end_y))
+    ax.set_xlim(-0.2, len(blocks) * 1.1 + 1.6)
+    ax.set_ylim(-0.6, 3.6)
+    ax.axis("off")
+    ax.set_title("fork shares every block; the first write copies only the partly filled tail")
+    return ax

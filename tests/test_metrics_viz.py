@@ -90,3 +90,53 @@ def test_draw_steps_is_static_with_one_panel_per_snapshot_and_one_legend():
     assert all(len(ax.patches) == 12 for ax in panels) and len(fig.legends) == 1
     with pytest.raises(InvalidArgumentError):
         draw_steps([])
+
+
+# ------------------------------------------------------------------ the three concept diagrams, from real structures
+def _arrows(ax):
+    return [c for c in ax.get_children() if type(c).__name__ == "Annotation" and c.arrow_patch is not None]
+
+
+def test_kv_attention_diagram_reads_the_real_cache():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from memos_ref.caches import ContiguousCache
+    from memos_ref.errors import InvalidArgumentError
+    from memos_ref.viz import draw_kv_attention
+
+    cache, x = ContiguousCache(num_layers=1), torch.zeros(1, 1, 5, 4)
+    cache.update(x, x, 0)
+    ax = draw_kv_attention(cache, new_tokens=1)
+    assert len(_arrows(ax)) == 5  # the new query reads every cached key
+    labels = [t.get_text() for t in ax.texts]
+    assert "k4" in labels and "v0" in labels and "q4" in labels
+    with pytest.raises(InvalidArgumentError):
+        draw_kv_attention(cache, new_tokens=6)
+
+
+def test_block_table_and_fork_diagrams_follow_the_allocator():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from memos_ref.hf import PagedCache
+    from memos_ref.model import ByteTokenizer, load_model
+    from memos_ref.viz import draw_block_table, draw_fork
+
+    model, tok = load_model(), ByteTokenizer()
+    kv = PagedKV(model.kv_spec(block_size=16), num_blocks=12)
+    parent = PagedCache(kv)
+    with torch.no_grad():
+        model(tok("# tools: search, read_file, write_file\nimport os\n"), parent)  # 50 tokens: 4 blocks
+    table = list(parent.sequences[0].block_table)
+    ax = draw_block_table(table, 50, 16, kv.allocator.num_blocks)
+    assert len(_arrows(ax)) == len(table) == 4 and "L3\n2/16" in [t.get_text() for t in ax.texts]
+    child = parent.fork()
+    with torch.no_grad():
+        model(tok("def run():\n", add_bos=False), child)  # the child's first write copies the tail
+    p_table, c_table = list(parent.sequences[0].block_table), list(child.sequences[0].block_table)
+    ax = draw_fork(p_table, c_table, kv.allocator.refcount)
+    labels = [t.get_text() for t in ax.texts]
+    shared = [b for b in p_table if b in c_table]
+    assert len(shared) == 3 and all(f"#{b}\nref 2" in labels for b in shared)  # 3 full blocks shared
+    assert len(_arrows(ax)) == len(p_table) + len(c_table)
