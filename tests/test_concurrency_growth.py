@@ -239,9 +239,10 @@ def _worker(kv: PagedKV, seed: int, steps: int, errors: list[BaseException]) -> 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_growth_fork_cow_swap_and_free_interleave_across_threads(seed):
     """Three workers (prefix starts that reload from the host tier, appends with copy-on-write of forked tails,
-    forks, truncates, frees), a tier thread swapping cached blocks out, and a growing thread adding segments,
-    all at once; after every step each worker's sequences equal the dense oracle, and at the end the invariants
-    hold and every block is back."""
+    forks, truncates, frees), a tier thread swapping cached blocks out, a growing thread adding segments (each of
+    its lines in pool.py stretched) and a lock-free reader of fixed sequences' blocks, all at once. After every
+    step each worker's sequences equal the dense oracle; at the end the invariants hold and every block is back
+    (old pool: the reader got ``AssertionError: unreachable`` or another block's data)."""
     from memos_ref.tiering.backends import HostMemoryBackend
     from memos_ref.tiering.manager import TierManager
     from memos_ref.tiering.store import Tier, TierStore
@@ -252,11 +253,44 @@ def test_growth_fork_cow_swap_and_free_interleave_across_threads(seed):
     errors: list[BaseException] = []
     done = threading.Event()
 
+    def slow_pool_lines(frame, event, arg):  # the sys.settrace signature
+        """Stretch every line the grower runs in pool.py, so lock-free readers land inside a growth often."""
+        if not frame.f_code.co_filename.replace("\\", "/").endswith(POOL_FILE):
+            return None
+        if event == "line":
+            time.sleep(0.001)
+        return slow_pool_lines
+
     def grower() -> None:
+        sys.settrace(slow_pool_lines)
         try:
             for _ in range(8):
                 kv.grow(2)
                 time.sleep(0.002)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            sys.settrace(None)
+
+    # a reader's own sequences, never changed: it reads their blocks (both first segments) without any lock
+    frozen = []
+    for p in (40, 50):
+        seq, tokens = kv.new_sequence(), [p] * 8 + [p + 1] * 8 + [p + 2] * 8 + [p + 3] * 8 + [p + 4] * 8
+        _append(seq, tokens)
+        frozen.append((seq, tokens))
+    assert {b < 8 for seq, _ in frozen for b in seq.block_table} == {True, False}  # both segments
+
+    def reader() -> None:
+        t = TIER_SPEC.block_size
+        try:
+            while not done.is_set():
+                for seq, tokens in frozen:
+                    for i, b in enumerate(seq.block_table):
+                        block = kv.pool.block(b)  # [L, 2, H, T, D]
+                        for layer in range(TIER_SPEC.num_layers):
+                            want = _values(tokens[i * t : (i + 1) * t], i * t, layer)
+                            assert torch.equal(block[layer, 0], want), f"block({b}) holds another block's data"
+                    _check(seq, tokens)
         except BaseException as exc:
             errors.append(exc)
 
@@ -272,7 +306,7 @@ def test_growth_fork_cow_swap_and_free_interleave_across_threads(seed):
     sys.setswitchinterval(1e-5)  # switch threads often: more interleavings per run
     try:
         workers = [threading.Thread(target=_worker, args=(kv, seed * 10 + i, 120, errors)) for i in range(3)]
-        helpers = [threading.Thread(target=grower), threading.Thread(target=swapper)]
+        helpers = [threading.Thread(target=f) for f in (grower, swapper, reader)]
         for t in [*helpers, *workers]:
             t.start()
         for t in workers:
@@ -287,6 +321,9 @@ def test_growth_fork_cow_swap_and_free_interleave_across_threads(seed):
         raise errors[0]
     assert kv.pool.num_blocks == kv.allocator.num_blocks == 16 + 8 * 2
     assert len(kv.pool.segments) == 2 + 8
+    for seq, tokens in frozen:
+        _check(seq, tokens)
+        seq.free()
     assert not kv.sequences, kv.sequences
     assert kv.allocator.num_active == 0, kv.allocator.stats()
     kv.check()
