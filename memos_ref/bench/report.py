@@ -213,7 +213,9 @@ def record_notebooks(
     kept: list[dict[str, Any]] = []
     seconds: dict[str, float] = {}
     if only and out.is_file():
-        old = load_results(root).get("notebooks", {})
+        if out.is_symlink() or out.stat().st_size > _MAX_RESULT_BYTES:
+            raise CorruptCacheError(f"{out}: expected a regular file of at most {_MAX_RESULT_BYTES} bytes")
+        old = json.loads(out.read_text())  # only this file: another benchmark's result need not be readable
         done = {p.stem for p in paths}
         kept = [r for r in old.get("results", []) if r["notebook"] not in done]
         seconds = {k: v for k, v in old.get("summary", {}).get("seconds", {}).items() if k not in done}
