@@ -81,6 +81,24 @@ _BYTE_MARKER = {
 Message = dict[str, Any]
 
 
+def _kind(kind: object) -> str:
+    """A segment kind's name, refused (:class:`~memos_ref.errors.InvalidArgumentError`) when unknown."""
+    kind = str(kind) if isinstance(kind, str) else kind  # a SegmentKind is a str
+    check_type("kind", kind, str)
+    if kind not in ROLE_OF_KIND:
+        raise InvalidArgumentError(f"kind: expected one of {sorted(ROLE_OF_KIND)}, got {kind!r:.80}")
+    return str(kind)
+
+
+def _check_messages(messages: object) -> None:
+    """Chat messages: a list of mappings, each with a ``str`` role and a ``str`` content of valid Unicode."""
+    check_type("messages", messages, (list, tuple))
+    for i, message in enumerate(messages):  # type: ignore[arg-type]
+        check_type(f"messages[{i}]", message, Mapping)
+        check_type(f"messages[{i}]['role']", message.get("role"), str)
+        check_text(f"messages[{i}]['content']", message.get("content"))
+
+
 def check_text(name: str, value: object) -> str:
     """``value`` if it is a ``str`` of valid Unicode (every code point encodable as UTF-8); raises
     :class:`~memos_ref.errors.ArgumentTypeError` for another type and
@@ -126,7 +144,7 @@ class ByteCodec:
 
     def segment_ids(self, kind: str, text: str, history: Sequence[Message] = ()) -> list[int]:
         """The tokens of one segment: its marker, then the text's bytes (``history`` is not needed)."""
-        return [self.tok.special_to_id[_BYTE_MARKER[kind]], *self.tok.encode(text)]
+        return [self.tok.special_to_id[_BYTE_MARKER[_kind(kind)]], *self.tok.encode(text)]
 
     def tools_text(self, tools: Sequence[str | Mapping[str, Any]]) -> str:
         """The tool set as a segment's text: one canonical line per tool, sorted."""
@@ -134,7 +152,7 @@ class ByteCodec:
 
     def message(self, kind: str, text: str) -> Message:
         """The history entry of a segment (the byte codec does not need the history; kept for symmetry)."""
-        return {"role": ROLE_OF_KIND[kind], "content": text}
+        return {"role": ROLE_OF_KIND[_kind(kind)], "content": check_text("text", text)}
 
     def reply_prefix_ids(self, history: Sequence[Message] = ()) -> list[int]:
         """What precedes a generated reply (the assistant marker)."""
@@ -227,9 +245,7 @@ class ChatCodec:
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
         if tools:
             kwargs["tools"] = list(tools)
-        for i, message in enumerate(messages):
-            if isinstance(message, Mapping) and isinstance(message.get("content"), str):
-                check_text(f"messages[{i}].content", message["content"])
+        _check_messages(messages)
         try:
             return self.tok.apply_chat_template(list(messages), **kwargs)
         except Exception as exc:  # jinja2's TemplateError (raise_exception in the template), a missing key, ...
@@ -253,7 +269,7 @@ class ChatCodec:
 
     def message(self, kind: str, text: str) -> Message:
         """The chat message a segment of ``kind`` is rendered as."""
-        return {"role": ROLE_OF_KIND[kind], "content": text}
+        return {"role": ROLE_OF_KIND[_kind(kind)], "content": check_text("text", text)}
 
     def tools_text(self, tools: Sequence[str | Mapping[str, Any]]) -> str:
         """The content of the system message that lists ``tools`` (see the module doc)."""
@@ -413,6 +429,11 @@ class ChatCodec:
     ) -> list[tuple[str, list[int]]]:
         """Each message's ``(kind, token ids)``; the concatenation equals :meth:`prompt_ids` without the generation
         prompt (and ``encode(render(messages))`` when no content spells a special token)."""
+        _check_messages(messages)
+        if kinds is not None:
+            check_type("kinds", kinds, (list, tuple))
+            if len(kinds) != len(messages):
+                raise InvalidArgumentError(f"kinds: expected one per message ({len(messages)}), got {len(kinds)}")
         out, history = [], []
         for i, message in enumerate(messages):
             kind = kinds[i] if kinds is not None else _kind_of_role(message["role"])
@@ -436,6 +457,7 @@ class ChatCodec:
 
     def with_tools(self, messages: Sequence[Message], tools: Sequence[str | Mapping[str, Any]] | None) -> list[Message]:
         """``messages`` with the tool-list message inserted after a leading system message (or first)."""
+        _check_messages(messages)
         messages = list(messages)
         if not tools:
             return messages

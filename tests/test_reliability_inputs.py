@@ -263,3 +263,19 @@ def test_saving_into_a_missing_folder_is_an_invalid_argument_and_leaves_no_tempo
     path = session.save(tmp_path / "s")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "s.safetensors"]  # renamed into place
     assert manager.load(path).token_ids == session.token_ids
+
+
+def test_unknown_kinds_and_malformed_messages_are_package_errors(smol_tok):
+    chat, byte = ChatCodec(smol_tok), ByteCodec()
+    for call, error in [
+        (lambda: byte.segment_ids("root", "x"), InvalidArgumentError),
+        (lambda: chat.segment_ids("root", "x"), InvalidArgumentError),
+        (lambda: chat.message("user", 5), ArgumentTypeError),
+        (lambda: chat.render([{"content": "no role"}]), ArgumentTypeError),
+        (lambda: chat.render(["not a message"]), ArgumentTypeError),
+        (lambda: chat.render([{"role": "user", "content": None}]), ArgumentTypeError),
+        (lambda: chat.segments({"role": "user"}), ArgumentTypeError),
+        (lambda: chat.prompt_ids([{"role": "user", "content": b"bytes"}]), ArgumentTypeError),
+    ]:
+        with pytest.raises(error):
+            call()
