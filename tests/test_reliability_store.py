@@ -419,3 +419,17 @@ def test_every_call_is_bounded_by_one_timeout_while_redis_is_stopped():
     assert not wrong, f"answers other than a miss / a dropped write: {wrong}"
     assert errors == dict.fromkeys(calls, 1), "each call must wait on exactly one timed-out round trip"
     assert not slow, f"calls past {TIMEOUT} + {SLACK} s: {slow}"
+
+
+def test_redis_tier_contains_agrees_with_get_for_a_key_of_another_type(redis_server):
+    tier = RedisTierBackend(redis_server.url, fingerprint="cd" * 8, tenant="wrongtype")
+    import redis
+
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        raw.rpush(tier.prefix + "blk", "a")
+        assert tier.get("blk") is None and tier.get_many(["blk"]) == {}
+        assert tier.contains("blk") is False  # get says absent: contains agrees
+        assert tier.put("blk", b"data") and tier.contains("blk") and tier.get("blk") == b"data"
+    finally:
+        tier.clear()

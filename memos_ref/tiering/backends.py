@@ -763,8 +763,10 @@ class RedisTierBackend(TierBackend):
 
     @_operation
     def contains(self, key: str) -> bool:
+        """True when a block (a string value) is stored under ``key``; a value of another type planted there is
+        not a block, as :meth:`get` answers a miss for it."""
         rkey = self._k(key)
-        return bool(self.redis.call(lambda: self.redis.client.exists(rkey), 0))
+        return self.redis.call(lambda: self.redis.client.type(rkey), b"none") == b"string"
 
     def _scan(self) -> list[bytes]:
         return self.redis.call(lambda: list(self.redis.client.scan_iter(match=self.prefix + "*", count=1000)), [])
