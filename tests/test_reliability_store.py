@@ -433,3 +433,29 @@ def test_redis_tier_contains_agrees_with_get_for_a_key_of_another_type(redis_ser
         assert tier.put("blk", b"data") and tier.contains("blk") and tier.get("blk") == b"data"
     finally:
         tier.clear()
+
+
+# ====================================================================== beyond the named cases
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_set_many_with_one_bad_item_writes_nothing(kind, request):
+    backend = make(kind, request)
+    try:
+        with pytest.raises(ConfigError):
+            backend.set_many({"a": 1, "b": object(), "c": 3})
+        assert backend.get_many(["a", "b", "c"]) == {}
+    finally:
+        backend.clear()
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+@pytest.mark.parametrize("ttl", [True, False])
+def test_a_bool_ttl_is_refused(kind, ttl, request):
+    from memos_ref.errors import ArgumentTypeError
+
+    backend = make(kind, request)
+    try:
+        with pytest.raises(ArgumentTypeError, match="bool"):
+            backend.set("k", 1, ttl=ttl)
+        assert backend.get("k") is None
+    finally:
+        backend.clear()
