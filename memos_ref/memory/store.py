@@ -92,7 +92,10 @@ def validate_key(key: str) -> str:
     if not isinstance(key, str):
         raise ArgumentTypeError(f"key: expected str, got {type(key).__name__} ({key!r:.80})")
     if not 0 < len(key) <= _MAX_KEY or not key.isprintable() or " " in key:
-        raise ConfigError(f"invalid key {key!r}: expected 1-{_MAX_KEY} printable characters without whitespace")
+        raise ConfigError(
+            f"invalid key {key!r:.80} ({len(key)} characters): expected 1-{_MAX_KEY} printable characters"
+            " without whitespace"
+        )
     return key
 
 
