@@ -55,7 +55,7 @@ def test_killed_master_fails_over_without_lost_requests_or_wrong_tokens(fault_cl
     assert report["failover_misses"] > 0  # the dead master's blocks were read as misses, not raised
     # writes in the window are dropped and counted (while the cluster is down, on every master: full coverage)
     assert report["probe_dropped"] > 0 and report["failover_dropped_writes"] >= report["probe_dropped"]
-    after = ClusterTierBackend(fault_cluster.url, fingerprint="faults", tenant="after")
+    after = ClusterTierBackend(fault_cluster.startup_nodes, fingerprint="faults", tenant="after")  # the dead one too
     assert all(after.put_many({f"k{i}": b"v" for i in range(12)}).values())  # healed: every slot takes writes
     assert report["failover_window_s"] is not None  # the replica was promoted and the cluster healed
     assert len(fault_cluster.master_ports()) == 3

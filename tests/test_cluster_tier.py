@@ -182,3 +182,18 @@ def test_cluster_server_leaves_nothing_behind():
         assert b.put("one", b"1") and b.get("one") == b"1" and cluster.master_ports() == [cluster.nodes[0].port]
         b.close()
     assert home and all(p.poll() is not None for p in processes) and not os.path.exists(home)
+
+
+def test_read_ahead_expires_and_is_bounded():
+    from memos_ref.tiering.cluster_readahead import ReadAhead
+
+    now = [0.0]
+    ahead = ReadAhead(ttl_s=5.0, max_bytes=10, clock=lambda: now[0])
+    ahead.hold({"a": b"12345", "b": None, "c": b"678"})
+    assert ahead.missing(["a", "b", "c", "d"]) == ["d"]
+    assert ahead.lookup("b", take=False) == (True, None)  # known absent: no second fetch
+    ahead.hold({"d": b"9999"})  # 5 + 3 + 4 bytes > 10: the oldest ("a") goes
+    assert ahead.lookup("a", take=False) == (False, None) and ahead.lookup("c", take=True) == (True, b"678")
+    assert ahead.missing(["c"]) == ["c"]  # taken
+    now[0] = 6.0
+    assert ahead.missing(["b", "d"]) == ["b", "d"]  # expired

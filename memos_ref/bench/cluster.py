@@ -224,7 +224,7 @@ def failover(cluster: Any, namespace: str, requests: int = 6, new: int = 4, time
 
     def watch() -> None:  # the failover window: from the kill until the cluster is whole without the victim
         while not healed.is_set() and time.monotonic() - killed < 60:
-            if cluster.healthy() and victim not in cluster.roles():
+            if cluster.failed_over(victim):
                 window.append(time.monotonic() - killed)
                 healed.set()
             time.sleep(0.05)

@@ -18,11 +18,9 @@ into the caller: ``MOVED``/``ASK`` (retried once through the cluster client afte
 ``retry_after`` s), ``OOM``, ``WRONGTYPE`` — each is a miss or a dropped write, counted by kind and by node
 (:meth:`stats`, :class:`~memos_ref.tiering.cluster_metrics.ClusterMetrics`).
 
-Budget: ``tenant_budget_bytes`` caps the bytes this tenant has written that are still live, by a per-tenant counter
-on the cluster (``INCRBY`` on each new block, expiring with ``ttl``): a write that would pass it is dropped and
-counted ``budget_refused``. It is conservative (a block Redis evicted still counts until the counter expires) and
-not atomic across writers (concurrent writers may pass it by one batch each). ``ttl`` expires blocks; the
-nodes' ``maxmemory-policy`` evicts under pressure.
+Budget: ``tenant_budget_bytes`` caps this tenant's live bytes by a per-tenant counter (``INCRBY`` on each new block,
+expiring with ``ttl``): a write past it is dropped and counted ``budget_refused``. Conservative (an evicted block
+counts until the counter expires) and not atomic across writers. ``ttl`` expires blocks; ``maxmemory-policy`` evicts.
 """
 
 from __future__ import annotations
@@ -38,11 +36,11 @@ from urllib.parse import urlsplit
 from memos_ref.errors import ArgumentTypeError, BackendUnavailableError, ConfigError, check_type
 from memos_ref.resilient import DEFAULT_TIMEOUT_S, check_seconds, error_kind, ttl_to_px, validate_ttl
 from memos_ref.tiering.backends import TierBackend, validate_block_key
+from memos_ref.tiering.cluster_readahead import ReadAhead
 
 __all__ = ["ClusterTierBackend"]
 
-_REDIS_MAX_VALUE = 512 * 2**20
-_META_MAX = 128  # "<bytes>:<32 hex>" is at most 11 + 1 + 32 bytes
+_REDIS_MAX_VALUE, _META_MAX = 512 * 2**20, 128  # the read bound; "<bytes>:<32 hex>" is at most 11 + 1 + 32 bytes
 _BYTES = (bytes, bytearray, memoryview)
 
 
@@ -132,13 +130,10 @@ class ClusterTierBackend(TierBackend):
         self.failure_threshold = failure_threshold
         self.nodes = _nodes_of(url)
         tls = isinstance(url, str) and url.startswith("rediss://")
-        self._options: dict[str, Any] = {k: v for k, v in dict(client_kwargs or {}).items()}
-        for k, v in (("username", username), ("password", password), ("ssl_ca_certs", ssl_ca_certs)):
-            if v is not None:
-                self._options[k] = v
-        for k, v in (("ssl_certfile", ssl_certfile), ("ssl_keyfile", ssl_keyfile)):
-            if v is not None:
-                self._options[k] = v
+        self._options: dict[str, Any] = dict(client_kwargs or {})
+        passed = {"username": username, "password": password, "ssl_ca_certs": ssl_ca_certs}
+        passed |= {"ssl_certfile": ssl_certfile, "ssl_keyfile": ssl_keyfile}
+        self._options |= {k: v for k, v in passed.items() if v is not None}
         if ssl or (ssl is None and tls):
             self._options["ssl"] = True
         self.clock = clock
@@ -150,7 +145,7 @@ class ClusterTierBackend(TierBackend):
         self.slowest_call_s = 0.0
         self._down: dict[str, float] = {}  # node -> monotonic time until which it is left alone
         self._timeouts: Counter[str] = Counter()
-        self._ahead: dict[str, tuple[float, bytes | None]] = {}  # read-ahead: key -> (expires, bytes or None)
+        self._ahead = ReadAhead(self.readahead_s, clock=clock)
         self._lock = threading.RLock()
         self._refresh_after = 0.0
 
@@ -174,16 +169,18 @@ class ClusterTierBackend(TierBackend):
             options = {
                 "socket_timeout": self.timeout,
                 "socket_connect_timeout": self.timeout,
-                "retry": Retry(NoBackoff(), 0),
+                "retry": Retry(NoBackoff(), 1),  # one retry: startup past a dead node listed in the slot map
                 "require_full_coverage": False,
                 **self._options,
             }
-            try:
-                self._client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.nodes], **options)
-            except TypeError as exc:  # an option redis-py does not know: a configuration error
-                raise ConfigError(f"RedisCluster refused the options: {exc}") from None
-            except Exception as exc:  # no startup node answered: counted; the next call tries again
-                self._count("client", exc)
+            for host, port in self.nodes:  # the first startup node that answers (a dead one must not stop us)
+                try:
+                    self._client = RedisCluster(startup_nodes=[ClusterNode(host, port)], **options)
+                    break
+                except TypeError as exc:  # an option redis-py does not know: a configuration error
+                    raise ConfigError(f"RedisCluster refused the options: {exc}") from None
+                except Exception as exc:  # this node did not answer: counted; the next one, or the next call
+                    self._count("client", exc)
         return self._client
 
     def _count(self, node: str, exc: BaseException) -> str:
@@ -330,43 +327,25 @@ class ClusterTierBackend(TierBackend):
     def read_ahead(self, keys: Iterable[str]) -> int:
         """Fetch ``keys`` (one round per node) and keep them ``readahead_s`` s for the per-block reads that
         follow (a prompt's lookup); returns how many were found."""
-        keys = [validate_block_key(k) for k in keys]
-        with self._lock:
-            now = self.clock()
-            held = {k for k, (expires, _) in self._ahead.items() if expires > now}
-        keys = [k for k in keys if k not in held]  # fetched moments ago: not again
+        keys = self._ahead.missing([validate_block_key(k) for k in keys])
         if not keys:
             return 0
         found = self._fetch(keys)
-        expires = self.clock() + self.readahead_s
-        with self._lock:
-            now = self.clock()
-            self._ahead = {k: v for k, v in self._ahead.items() if v[0] > now}
-            for k, data in found.items():
-                self._ahead[k] = (expires, data)
+        self._ahead.hold(found)
         self.counts["read_ahead_blocks"] += len(keys)
         self.counts["read_ahead_misses"] += sum(v is None for v in found.values())
         return sum(v is not None for v in found.values())
 
-    def _ahead_of(self, key: str, *, take: bool) -> tuple[bool, bytes | None]:
-        with self._lock:
-            entry = self._ahead.get(key)
-            if entry is None or entry[0] <= self.clock():
-                return False, None
-            if take:
-                del self._ahead[key]
-            return True, entry[1]
-
     def get(self, key: str) -> bytes | None:
         validate_block_key(key)
-        known, data = self._ahead_of(key, take=True)
+        known, data = self._ahead.lookup(key, take=True)
         if not known:
             data = self._fetch([key])[key]
         self.counts["hits" if data is not None else "misses"] += 1
         return data
 
     def get_many(self, keys: Iterable[str]) -> dict[str, bytes]:
-        keys = [validate_block_key(k) for k in _listed(keys)]
+        keys = _listed(keys)
         found = {k: v for k, v in self._fetch(keys).items() if v is not None}
         self.counts["hits"] += len(found)
         self.counts["misses"] += len(keys) - len(found)
@@ -374,7 +353,7 @@ class ClusterTierBackend(TierBackend):
 
     def contains(self, key: str) -> bool:
         validate_block_key(key)
-        known, data = self._ahead_of(key, take=False)
+        known, data = self._ahead.lookup(key, take=False)
         if known:
             return data is not None
         return bool(self._guarded(lambda: self.client.exists(self._vk(key)), 0))
@@ -427,9 +406,7 @@ class ClusterTierBackend(TierBackend):
 
     def forget_read_ahead(self, keys: Iterable[str]) -> None:
         """Forget read-ahead answers for ``keys`` (they were just written or deleted)."""
-        with self._lock:
-            for k in keys:
-                self._ahead.pop(k, None)
+        self._ahead.forget(keys)
 
     def _within_budget(self, size: int) -> bool:
         if self.tenant_budget_bytes is None:
@@ -512,7 +489,7 @@ def _kind(exc: BaseException) -> str:
             return "refused"
         cur, seen = cur.__cause__ or cur.__context__, seen + 1
     names = {c.__name__ for c in type(exc).__mro__}
-    if names & {"TimeoutError", "socket.timeout"}:
+    if "TimeoutError" in names:
         return "timeout"
     if "ConnectionError" in names and "ResponseError" not in names:
         return "connection"
@@ -522,4 +499,4 @@ def _kind(exc: BaseException) -> str:
 def _listed(keys: Iterable[str]) -> list[str]:
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
         raise ArgumentTypeError(f"keys: expected an iterable of str, got {type(keys).__name__}")
-    return list(keys)
+    return [validate_block_key(k) for k in keys]

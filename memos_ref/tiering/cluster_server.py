@@ -116,8 +116,9 @@ class ClusterServer:
     # ------------------------------------------------------------------ addresses
     @property
     def url(self) -> str:
-        """A startup URL for ``RedisCluster.from_url`` (any node; the client discovers the rest)."""
-        return f"redis://{self.nodes[0].address}/0"
+        """A startup URL (the first live, running node; the client discovers the rest)."""
+        live = [n for n in self.nodes if n.alive and not n.stopped] or self.nodes
+        return f"redis://{live[0].address}/0"
 
     @property
     def startup_nodes(self) -> list[tuple[str, int]]:
@@ -241,6 +242,28 @@ class ClusterServer:
                             out[port] = "master" if "master" in parts[2] else "slave"
                     return out
         return {}
+
+    def slots_served(self) -> dict[int, int]:
+        """Port -> number of hash slots of each master that no node flags as failing (``fail`` or ``fail?``)."""
+        for n in self.nodes:
+            if n.alive and not n.stopped:
+                text = _command(n.port, "CLUSTER NODES")
+                if not text:
+                    continue
+                out = {}
+                for line in text.splitlines():
+                    parts = line.split()
+                    if len(parts) > 7 and "master" in parts[2] and "fail" not in parts[2]:
+                        ranges = [r.split("-") for r in parts[8:] if not r.startswith("[")]
+                        port = int(parts[1].split("@")[0].rsplit(":", 1)[1])
+                        out[port] = sum(int(r[-1]) - int(r[0]) + 1 for r in ranges)
+                return out
+        return {}
+
+    def failed_over(self, port: int) -> bool:
+        """Every slot is served by a master other than ``port`` and every live node says ``cluster_state:ok``."""
+        served = self.slots_served()
+        return port not in served and sum(served.values()) == 16384 and self.healthy()
 
     def master_ports(self) -> list[int]:
         return sorted(p for p, r in self.roles().items() if r == "master")
