@@ -99,6 +99,7 @@ def _decode_config(dtype: str, group: int, block: int, head_dim: int, quant: str
 
 def _kivi_config(bits: int, group: int, head_dim: int) -> Config:
     import torch
+    from memos_kernels.kivi_decode import kivi_warps
     from memos_kernels.paged_decode import decode_config
 
     block, kg = 32, 32
@@ -118,7 +119,7 @@ def _kivi_config(bits: int, group: int, head_dim: int) -> Config:
     consts = dict(G=group, GP=cfg.gp, T=block, D=head_dim, TILE=cfg.tile, BITS=bits, GK=kg, GV=kg, DOT_F32=False,
                   PREC="tf32", DIRECT=False)  # fmt: skip
     return Config(f"decode_kivi{bits}_g{group}_d{head_dim}", "kivi_decode", "decode_kivi_split_kernel", pointers,
-                  consts, ints, cfg.num_warps, cfg.num_stages)  # fmt: skip
+                  consts, ints, kivi_warps(head_dim), cfg.num_stages)  # fmt: skip
 
 
 def _prefill_config(dtype: str, group: int, block: int, head_dim: int) -> Config:
@@ -172,9 +173,10 @@ def configs(capability: int, full: bool = False) -> list[Config]:
                   _decode_config("fp16", 8, 64, 64)]  # fmt: skip
         kivi = [_kivi_config(4, 4, 128)]
         writes = _write_configs(16, 128, capability)
-    quant = [_decode_config("fp16", 4, 16, 128, "int8")]
+    decode.append(_decode_config("fp16", 4, 128, 128))  # block 128: the tile capped at 64 (issue 25)
+    quant = [_decode_config("fp16", 4, 16, 128, "int8"), _decode_config("fp16", 4, 128, 128, "int8")]
     if capability >= 89:
-        quant.append(_decode_config("fp16", 4, 16, 128, "fp8"))
+        quant += [_decode_config("fp16", 4, 16, 128, "fp8"), _decode_config("fp16", 4, 128, 128, "fp8")]
     reduce = Config("decode_reduce_g4_d128", "paged_decode", "decode_reduce_kernel",
                     {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lens_ptr": "*i32"},
                     dict(G=4, GP=16, D=128),

@@ -291,10 +291,11 @@ class DecodeConfig:
 def decode_config(group: int, block_size: int, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
     """Tile and launch parameters for a query group, block size, head dim and element type: a tile of about
     16 KiB of K per stage (64 tokens at head dim 128 in 16 bits, 128 at 64), never below 16 tokens (``tl.dot``'s
-    minimum) and never a partial block when a block is wider; 4 warps, 3 stages (2 at fp32, for shared memory)."""
+    minimum), a whole block when a block is wider, except at head dim 128 and above: at most 64 (a tile may
+    read part of a block; 128 x 128 spills); 4 warps, 3 stages (2 at fp32, for shared memory)."""
     elt = 4 if dtype == torch.float32 else 2
     tile = max(16, min(128, (16384 // elt) // head_dim), min(block_size, 128))
-    tile = min(tile, 128)
+    tile = min(tile, 64 if head_dim >= 128 else 128)  # 128 x 128 tiles spill (block 128: int8 116 B, fp8 164 B)
     return DecodeConfig(tile=tile, gp=max(16, triton.next_power_of_2(group)), num_warps=4,
                         num_stages=2 if elt == 4 else 3)  # fmt: skip
 
