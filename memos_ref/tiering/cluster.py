@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from memos_ref.errors import ArgumentTypeError, BackendUnavailableError, ConfigError, check_type
+from memos_ref.errors import ArgumentTypeError, BackendUnavailableError, ConfigError, check_index, check_type
 from memos_ref.resilient import DEFAULT_TIMEOUT_S, check_seconds, error_kind, ttl_to_px, validate_ttl
 from memos_ref.tiering.backends import TierBackend, validate_block_key
 from memos_ref.tiering.cluster_readahead import ReadAhead
@@ -117,9 +117,7 @@ class ClusterTierBackend(TierBackend):
         self.ttl = validate_ttl(ttl)
         self._px = ttl_to_px(self.ttl)
         if tenant_budget_bytes is not None:
-            check_type("tenant_budget_bytes", tenant_budget_bytes, int)
-            if tenant_budget_bytes <= 0:
-                raise ConfigError(f"tenant_budget_bytes must be a positive int or None, got {tenant_budget_bytes}")
+            check_index("tenant_budget_bytes", tenant_budget_bytes, lo=1)
         self.tenant_budget_bytes = tenant_budget_bytes
         self.timeout = check_seconds("timeout", timeout)
         self.retry_after = check_seconds("retry_after", retry_after, allow_zero=True)
@@ -477,8 +475,8 @@ class ClusterTierBackend(TierBackend):
     def close(self) -> None:
         """Close the client's connections."""
         if self._client is not None:
-            self._guarded(self._client.close, None)
-            self._client = None
+            self._client, client = None, self._client
+            self._guarded(client.close, None)
 
 
 def _kind(exc: BaseException) -> str:
