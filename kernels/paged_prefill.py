@@ -78,38 +78,6 @@ def paged_prefill_reference(
 
 # ---------------------------------------------------------------------------------------------- kernel
 @triton.jit
-def prefill_tile(q, kc_ptr, vc_ptr, tables_ptr, b, h, s_tb, s_tc, s_cb, s_ch, s_ct, tok0, end, width, num_blocks,
-                 pos, m_i, l_i, acc, qk_scale, T: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
-                 DOT_F32: tl.constexpr, PREC: tl.constexpr, CAUSAL: tl.constexpr):  # fmt: skip
-    """Fold one token tile into every row's online softmax; ``CAUSAL`` masks tokens past each row's position
-    ``pos`` (only the diagonal tiles need it), validity (:func:`tile_slots`) is always masked."""
-    ok, block, off = tile_slots(tables_ptr, b, s_tb, s_tc, tok0, end, width, num_blocks, T, TILE)
-    d = tl.arange(0, D)
-    ptrs = (block * s_cb + h * s_ch + off * s_ct)[:, None] + d[None, :]
-    k = tl.load(kc_ptr + ptrs, mask=ok[:, None], other=0)
-    v = tl.load(vc_ptr + ptrs, mask=ok[:, None], other=0)
-    if DOT_F32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    else:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-    if CAUSAL:
-        tok = tok0 + tl.arange(0, TILE)
-        seen = ok[None, :] & (tok[None, :] <= pos[:, None])  # [QB·GP, TILE]
-    else:
-        seen = ok[None, :]  # every row sees the tile: validity only, broadcast to the rows
-    scores = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-    scores = tl.where(seen, scores, NEG)
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    p = tl.where(seen, tl.exp2(scores - m_new[:, None]), 0.0)
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, tables_ptr, lens_ptr, qlens_ptr, out_ptr,
     qk_scale,
@@ -145,16 +113,27 @@ def prefill_kernel(
     acc = tl.zeros((QB * GP, D), tl.float32)
     end = tl.minimum(seq_len, seq_len - qlen + qt * QB + QB)  # past the tile's last query: nothing to see
     end = tl.minimum(end, width * T)  # past the table's capacity: nothing to read
-    # tiles wholly at or before the first query's position are seen by every row: no causal mask (the main loop)
-    full = tl.maximum(tl.minimum(end, ((seq_len - qlen + qt * QB + 1) // TILE) * TILE), 0)
-    for tok0 in range(0, full, TILE):
-        m_i, l_i, acc = prefill_tile(q, kc_ptr, vc_ptr, tables_ptr, b, h, s_tb, s_tc, s_cb, s_ch, s_ct, tok0, end,
-                                     width, num_blocks, pos, m_i, l_i, acc, qk_scale, T, D, TILE, DOT_F32, PREC,
-                                     False)  # fmt: skip
-    for tok0 in range(full, end, TILE):  # the diagonal tiles: causal
-        m_i, l_i, acc = prefill_tile(q, kc_ptr, vc_ptr, tables_ptr, b, h, s_tb, s_tc, s_cb, s_ch, s_ct, tok0, end,
-                                     width, num_blocks, pos, m_i, l_i, acc, qk_scale, T, D, TILE, DOT_F32, PREC,
-                                     True)  # fmt: skip
+    for tok0 in range(0, end, TILE):
+        ok, block, off = tile_slots(tables_ptr, b, s_tb, s_tc, tok0, end, width, num_blocks, T, TILE)
+        ptrs = (block * s_cb + h * s_ch + off * s_ct)[:, None] + d[None, :]
+        k = tl.load(kc_ptr + ptrs, mask=ok[:, None], other=0)
+        v = tl.load(vc_ptr + ptrs, mask=ok[:, None], other=0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        tok = tok0 + tl.arange(0, TILE)
+        seen = ok[None, :] & (tok[None, :] <= pos[:, None])  # [QB·GP, TILE] causal
+        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        scores = tl.where(seen, scores, NEG)
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.where(seen, tl.exp2(scores - m_new[:, None]), 0.0)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     dst = out_ptr + b * s_ob + (h * G + g)[:, None] * s_oh + j[:, None] * s_oq + d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
