@@ -301,6 +301,87 @@ def test_disk_lock_file_that_is_a_symlink_is_refused(tmp_path):
     assert not (tmp_path / "elsewhere").exists()
 
 
+def _in_forked_child(fn) -> str:
+    """Run ``fn()`` in a forked child; what it returned (or the class and message it raised), as a string."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave without running the parent's finalizers or pytest's teardown
+        try:
+            try:
+                out = f"returned {fn()!r}"
+            except BaseException as exc:
+                out = f"{type(exc).__name__}: {exc}"
+            os.write(write_end, out.encode()[:4000])
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end, "rb") as f:
+            return f.read().decode()
+    finally:
+        os.waitpid(pid, 0)
+
+
+def _disk_bytes(root) -> int:
+    return sum(p.stat().st_size for p in root.glob("*/*.kvb"))
+
+
+def test_disk_root_is_locked_against_a_forked_child(tmp_path):
+    """A forked child inherits the process's books but not its record lock: a backend it makes on the root, or
+    the parent's backend it inherited, raises StateError and writes nothing (before: 20,000 bytes on disk for a
+    10,000 budget)."""
+    root = tmp_path / "kv"
+    parent = DiskBackend(root, 10_000)
+
+    def second_backend():
+        child = DiskBackend(root, 10_000)
+        for i in range(10):
+            child.put(f"c{i}", b"x" * 1000)
+
+    assert _in_forked_child(second_backend).startswith("StateError: disk tier root")
+    assert "StateError" in _in_forked_child(lambda: parent.put("c0", b"x" * 1000))
+    assert _disk_bytes(root) == 0
+    for i in range(10):
+        assert parent.put(f"p{i}", b"y" * 1000)
+    assert _disk_bytes(root) == 10_000 == parent.nbytes
+
+
+def test_disk_backend_refuses_use_after_close(tmp_path):
+    root = tmp_path / "kv"
+    backend = DiskBackend(root, 10_000)
+    assert backend.put("k", b"x" * 10)
+    backend.close()
+    for call in (lambda: backend.put("j", b"y"), lambda: backend.get("k"), lambda: backend.delete("k")):
+        with pytest.raises(StateError, match="closed"):
+            call()
+    assert sorted(p.name for p in root.glob("*/*.kvb")) == ["k.kvb"]  # nothing written or removed
+    assert DiskBackend(root, 10_000).get("k") == b"x" * 10  # the root is free again
+
+
+def test_disk_lock_file_that_is_a_fifo_is_refused(tmp_path):
+    root = tmp_path / "kv"
+    root.mkdir()
+    os.mkfifo(root / ".lock")
+    with pytest.raises(ConfigError, match="not a regular file"):
+        DiskBackend(root, 1000)
+    assert sorted(p.name for p in root.iterdir()) == [".lock"]
+
+
+def test_disk_file_resized_outside_is_dropped_and_the_budget_holds(tmp_path):
+    """A block file whose size differs from the books (edited by someone else) is a corrupt miss and removed:
+    the books and the bytes on disk agree and stay within budget (before: served, books 3000, disk 4500)."""
+    root = tmp_path / "kv"
+    backend = DiskBackend(root, 3000)
+    for key in ("aa", "bb", "cc"):
+        assert backend.put(key, b"a" * 1000)
+    (root / "bb" / "bb.kvb").write_bytes(b"B" * 2500)
+    assert backend.get("bb") is None
+    assert backend.counts["corrupt"] == 1
+    assert backend.keys() == ["aa", "cc"]
+    assert backend.nbytes == _disk_bytes(root) == 2000
+    assert backend.get("aa") == b"a" * 1000  # the others are untouched
+
+
 # ====================================================================== item 9: re-entrant update
 REENTRANT = {
     "get same key": lambda b: b.get("k"),

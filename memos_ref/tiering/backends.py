@@ -149,14 +149,20 @@ class _BudgetLRU(TierBackend):
         return self._sizes.total
 
     def keys(self) -> list[str]:
+        self._check_usable()
         with self._lock:
             return list(self._sizes)
 
     def contains(self, key: str) -> bool:
+        self._check_usable()
         return validate_block_key(key) in self._sizes
+
+    def _check_usable(self) -> None:
+        """Raise :class:`StateError` when the backend can no longer be used (see :class:`DiskBackend`)."""
 
     def delete(self, key: str) -> bool:
         validate_block_key(key)
+        self._check_usable()
         with self._lock:
             if key not in self._sizes:
                 return False
@@ -311,9 +317,12 @@ class _RootBooks:
         self.users = 0
 
 
-_ROOTS: dict[Path, _RootBooks] = {}
+#: by (pid, root): a forked child inherits this dict but not the parent's record lock, so it must lock anew
+_ROOTS: dict[tuple[int, Path], _RootBooks] = {}
 _ROOTS_LOCK = threading.Lock()
 _LOCK_NAME = ".lock"
+#: O_NONBLOCK: a FIFO planted at ``root/.lock`` opens at once (then fstat refuses it) instead of blocking.
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _O_CLOEXEC
 
 
 def _lock_root(root: Path) -> int | None:
@@ -323,13 +332,17 @@ def _lock_root(root: Path) -> int | None:
     try:
         root_fd = os.open(root, _DIR_FLAGS)
         try:
-            fd = os.open(_LOCK_NAME, os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o644, dir_fd=root_fd)
+            fd = os.open(_LOCK_NAME, _LOCK_FLAGS, 0o644, dir_fd=root_fd)
         finally:
             os.close(root_fd)
     except OSError as exc:
         if exc.errno in _UNSAFE_ERRNOS:
             raise ConfigError(f"disk tier root {str(root)!r}: {_LOCK_NAME} is a symlink or a directory") from None
         return None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):  # a FIFO, a socket, a device: lockf would fail or block on it
+        os.close(fd)
+        raise ConfigError(f"disk tier root {str(root)!r}: {_LOCK_NAME} is not a regular file (mode {mode:o})")
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -346,14 +359,16 @@ def _lock_root(root: Path) -> int | None:
     return fd
 
 
-def _release_root(root: Path) -> None:
+def _release_root(owner: tuple[int, Path]) -> None:
+    if owner[0] != os.getpid():  # a forked child exiting: the lock and the books are its parent's
+        return
     with _ROOTS_LOCK:
-        books = _ROOTS.get(root)
+        books = _ROOTS.get(owner)
         if books is None:
             return
         books.users -= 1
         if books.users == 0:
-            del _ROOTS[root]
+            del _ROOTS[owner]
             if books.lock_fd is not None:
                 os.close(books.lock_fd)  # releases the inter-process lock
 
@@ -412,12 +427,13 @@ class DiskBackend(_BudgetLRU):
             raise ConfigError(f"cannot use {os.fspath(root)!r} as a disk tier root: {exc}") from None
         if not self.root.is_dir():
             raise ConfigError(f"disk tier root {str(self.root)!r} is not a directory")
+        self._owner = (os.getpid(), self.root)
         with _ROOTS_LOCK:
-            books = _ROOTS.get(self.root)
+            books = _ROOTS.get(self._owner)
             if books is None:
-                books = _ROOTS[self.root] = _RootBooks(_lock_root(self.root))  # StateError: another process
+                books = _ROOTS[self._owner] = _RootBooks(_lock_root(self.root))  # StateError: another process
             books.users += 1
-        self._closer = weakref.finalize(self, _release_root, self.root)
+        self._closer = weakref.finalize(self, _release_root, self._owner)
         self._sizes, self._lock = books.sizes, books.lock  # shared with this process's other backends here
         with self._lock:
             found: list[tuple[float, str, int]] = []
@@ -433,8 +449,20 @@ class DiskBackend(_BudgetLRU):
 
     def close(self) -> None:
         """Stop using the root: once every backend of this process on it is closed, its lock is released (a
-        closed backend must not be used again)."""
+        closed backend must not be used again: it raises :class:`StateError`)."""
         self._closer()
+
+    def _check_usable(self) -> None:
+        """Raise :class:`StateError` when this backend is closed, or used in another process than the one that
+        made it (a forked child does not hold the root's lock: it would write beside its parent, unlocked)."""
+        if not self._closer.alive:
+            raise StateError(f"disk tier backend on {str(self.root)!r} is closed: make a new DiskBackend")
+        if self._owner[0] != os.getpid():
+            raise StateError(
+                f"disk tier backend on {str(self.root)!r} was made by process {self._owner[0]}, used in "
+                f"{os.getpid()} (after fork): one process per root — make the child its own DiskBackend on "
+                "its own root"
+            )
 
     # ------------------------------------------------------------------ paths, confined
     def path(self, key: str) -> Path:
@@ -562,6 +590,7 @@ class DiskBackend(_BudgetLRU):
     def put(self, key: str, data: bytes) -> bool:
         validate_block_key(key)
         _check_data(data)
+        self._check_usable()
         with self._lock:
             if not self._reserve(key, len(data)):
                 return False
@@ -592,11 +621,18 @@ class DiskBackend(_BudgetLRU):
 
     def get(self, key: str) -> bytes | None:
         validate_block_key(key)
+        self._check_usable()
         with self._lock:
             if key not in self._sizes:
                 self.counts["misses"] += 1
                 return None
             data = self._lookup(key)
+            if data is not None and len(data) != self._sizes.get(key):
+                # not the file this root's books wrote (edited outside): serving it would leave the books, and
+                # so the budget, wrong — drop it as corrupt
+                self._drop(key)
+                self.counts["corrupt"] += 1
+                data = None
             if data is None:
                 self.counts["misses"] += 1
                 return None
