@@ -36,8 +36,8 @@ class LineStepper:
     """Runs ``fn`` in a thread that stops before every line it executes in ``pool.py``; :meth:`pauses` yields at
     each stop (the thread is frozen there) and resumes it when the caller asks for the next one."""
 
-    def __init__(self, fn: Callable[[], object]) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable[[], object], file: str = POOL_FILE) -> None:
+        self.fn, self.file = fn, file
         self.paused = threading.Event()
         self.resume = threading.Event()
         self.done = threading.Event()
@@ -46,7 +46,7 @@ class LineStepper:
         self.where: str = ""
 
     def _trace(self, frame, event, arg):  # the sys.settrace signature
-        if not frame.f_code.co_filename.replace("\\", "/").endswith(POOL_FILE):
+        if not frame.f_code.co_filename.replace("\\", "/").endswith(self.file):
             return None  # no line events outside the pool
         if event == "line":
             self.where = f"{frame.f_code.co_name}:{frame.f_lineno}"
@@ -156,6 +156,36 @@ def test_copy_on_write_while_paged_kv_grows_copies_the_right_block():
         assert torch.equal(k, torch.cat([dense[layer][0], extra[0]], 1))
         assert torch.equal(seq.to_dense(layer)[0], dense[layer][0])
     kv.check()
+
+
+def test_allocator_counts_read_during_a_growth_are_consistent():
+    """``num_active`` / ``num_available`` combine several counters; read lock-free (the tier manager's watermark
+    check does) while the allocator grows, the old properties saw the new free blocks before the new block count:
+    ``num_active`` went negative. A reader started at every line of the growth now gets the counts of before or
+    of after (it waits for the growth's lock), never a mix."""
+    kv = PagedKV(SPEC, 8, prefix_caching=False)
+    seq = kv.new_sequence()
+    seq.append(0, torch.ones(2, 20, 4), torch.ones(2, 20, 4))  # 3 blocks held
+    a = kv.allocator
+    seen: list[tuple[int, int]] = []
+    readers = []
+
+    def read() -> None:
+        seen.append((a.num_active, a.num_available))
+
+    stepper = LineStepper(lambda: a.grow(4), "memos_ref/paged/allocator.py")
+    for _ in stepper.pauses():
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(0.02)  # lock-free: done at once, at the paused state; locked: waits for the growth
+        readers.append(reader)
+    for reader in readers:
+        reader.join(WAIT_S)
+    assert len(seen) == len(readers) > 0
+    assert set(seen) <= {(3, 5), (3, 9)}, sorted(set(seen))
+    read()
+    assert seen[-1] == (3, 9)
+    seq.free()
 
 
 # ---------------------------------------------------------------------------------------------- stateful, threaded
