@@ -2,7 +2,9 @@
 its ``--dry-run`` runs the same phases in Triton's interpreter within its budget, and any wrong kernel result, a
 timed-out phase or a missing pytest shows in the JSON and the exit status.
 
-``GPU_CHECK_BUDGET_SCALE`` (default 1) stretches the phases' budgets on a host slower than CI's."""
+``GPU_CHECK_BUDGET_SCALE`` stretches the phases' budgets. Its default here is 3: `make test` runs these beside the
+rest of the suite on xdist workers (and CI beside a CPU hog), where a phase gets about a third of a core; the
+dry run itself takes about 45 s of CPU. ``GPU_CHECK_BUDGET_SCALE=1`` checks the device budgets as written."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-SCALE = os.environ.get("GPU_CHECK_BUDGET_SCALE", "1")
+SCALE = os.environ.get("GPU_CHECK_BUDGET_SCALE", "3")
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the device check runs for real"),
     pytest.mark.timeout(900),  # the budgets (x GPU_CHECK_BUDGET_SCALE) bound each run; this only backs them up
