@@ -23,6 +23,10 @@ finds the contents in the rendered text by rendering with placeholder contents; 
 so they cannot be found is refused for a content that holds a special token. ``ChatCodec(tokenizer,
 special_tokens_in_content=True)`` is the explicit opt-in to the old behaviour (contents parsed like the template).
 Text must be valid Unicode: a lone surrogate is refused (:class:`~memos_ref.errors.InvalidArgumentError`).
+What the template writes as its own text is not content: a message's role must be one of :data:`ROLES` (``system``,
+``user``, ``assistant``, ``tool``; memories, summaries and tool lists are system messages), and every other field
+(``name``, ``tool_calls`` and their arguments, a tool definition given to :meth:`ChatCodec.render`) is refused
+(:class:`~memos_ref.errors.InvalidArgumentError`) when it spells a special token.
 
 Tool definitions. A session's tool set is always its own segment — a second system message right after the
 system prompt — so sessions with the same system prompt but other tools still share the system prompt's blocks,
@@ -44,13 +48,13 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from memos_ref.errors import ArgumentTypeError, ConfigError, InvalidArgumentError, ModelMismatchError, check_type
 from memos_ref.model.tokenizer import ByteTokenizer
 
-__all__ = ["TOOLS_HEADER", "ByteCodec", "ChatCodec", "check_text", "tool_lines"]
+__all__ = ["ROLES", "TOOLS_HEADER", "ByteCodec", "ChatCodec", "check_text", "tool_lines"]
 
 #: First line of the system message that lists a session's tools.
 TOOLS_HEADER = "You can call these tools. Each line is one tool's JSON definition:"
@@ -90,13 +94,45 @@ def _kind(kind: object) -> str:
     return str(kind)
 
 
+#: The roles a message may have: those the segment kinds render with. Any other role is refused, never rendered:
+#: the template writes a role as control text (``<|im_start|>{role}``), so a role is not free text.
+ROLES = frozenset(ROLE_OF_KIND.values())
+
+
 def _check_messages(messages: object) -> None:
-    """Chat messages: a list of mappings, each with a ``str`` role and a ``str`` content of valid Unicode."""
+    """Chat messages: a list of mappings, each with a role from :data:`ROLES` and a ``str`` content of valid
+    Unicode (a role outside the set is :class:`~memos_ref.errors.InvalidArgumentError`: it could forge a turn)."""
     check_type("messages", messages, (list, tuple))
     for i, message in enumerate(messages):  # type: ignore[arg-type]
         check_type(f"messages[{i}]", message, Mapping)
-        check_type(f"messages[{i}]['role']", message.get("role"), str)
+        role = message.get("role")
+        check_type(f"messages[{i}]['role']", role, str)
+        if role not in ROLES:
+            raise InvalidArgumentError(f"messages[{i}]['role']: expected one of {sorted(ROLES)}, got {role!r:.80}")
         check_text(f"messages[{i}]['content']", message.get("content"))
+
+
+def _template_strings(name: str, value: object, limit: int = 100_000) -> Iterator[tuple[str, str]]:
+    """Every ``str`` in ``value`` (keys included, through mappings, lists and tuples) with where it is; bounded
+    (``limit`` items, each container visited once: a cycle ends)."""
+    stack, seen, count = [(name, value)], set(), 0
+    while stack:
+        where, item = stack.pop()
+        count += 1
+        if count > limit:
+            raise InvalidArgumentError(f"{name}: expected at most {limit} values, got more")
+        if isinstance(item, str):
+            yield where, item
+        elif isinstance(item, (Mapping, list, tuple)):
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
+            if isinstance(item, Mapping):
+                for key, sub in item.items():
+                    stack.append((f"{where} key", key))
+                    stack.append((f"{where}[{key!r:.40}]", sub))
+            else:
+                stack.extend((f"{where}[{j}]", sub) for j, sub in enumerate(item))
 
 
 def check_text(name: str, value: object) -> str:
@@ -143,7 +179,9 @@ class ByteCodec:
         return [self.tok.bos_id]
 
     def segment_ids(self, kind: str, text: str, history: Sequence[Message] = ()) -> list[int]:
-        """The tokens of one segment: its marker, then the text's bytes (``history`` is not needed)."""
+        """The tokens of one segment: its marker, then the text's bytes (``history`` is not needed, but is checked
+        as :class:`ChatCodec` checks it: a role outside :data:`ROLES` is refused by both codecs)."""
+        _check_messages(history)
         return [self.tok.special_to_id[_BYTE_MARKER[_kind(kind)]], *self.tok.encode(text)]
 
     def tools_text(self, tools: Sequence[str | Mapping[str, Any]]) -> str:
@@ -156,6 +194,7 @@ class ByteCodec:
 
     def reply_prefix_ids(self, history: Sequence[Message] = ()) -> list[int]:
         """What precedes a generated reply (the assistant marker)."""
+        _check_messages(history)
         return self.segment_ids("assistant", "")
 
     def reply_suffix_ids(self, history: Sequence[Message], content: str, stopped: bool) -> list[int]:
@@ -246,10 +285,27 @@ class ChatCodec:
         if tools:
             kwargs["tools"] = list(tools)
         _check_messages(messages)
+        self._check_template_fields(messages, tools)
         try:
             return self.tok.apply_chat_template(list(messages), **kwargs)
         except Exception as exc:  # jinja2's TemplateError (raise_exception in the template), a missing key, ...
             raise ConfigError(f"the chat template refused the messages: {type(exc).__name__}: {exc}") from None
+
+    def _check_template_fields(self, messages: Sequence[Message], tools: object) -> None:
+        """Refuse a special token's spelling in what the template writes as its own text: every message field but
+        the content (``name``, ``tool_calls`` and their arguments, ...) and the tool definitions. Only contents are
+        masked as text; a ``<|im_end|>`` in a tool call's arguments would otherwise close the turn."""
+        fields = [(f"messages[{i}]", {k: v for k, v in m.items() if k != "content"}) for i, m in enumerate(messages)]
+        for name, value in [*fields, ("tools", tools)]:
+            for where, text in _template_strings(name, value):
+                check_text(where, text)
+                found = self._special_re.search(text) if self._special_re is not None else None
+                if found is not None:
+                    raise InvalidArgumentError(
+                        f"{where}: expected text without the tokenizer's special tokens (only a message's content is "
+                        f"tokenized as text; the template writes this field as control text), got {found.group(0)!r} "
+                        f"in {text!r:.80}"
+                    )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of template text (its special tokens parsed as written; nothing added)."""
