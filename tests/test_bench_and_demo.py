@@ -92,7 +92,48 @@ def test_plot_and_human_table(quick_decode):
 def test_demo_prints_identical_tokens_for_every_cache(capsys):
     from memos_ref import demo
 
-    demo.main(["--new-tokens", "12"])
+    demo.main(["--toy", "--new-tokens", "12"])
     out = capsys.readouterr().out
-    table = out.split("same tokens", 1)[1]
+    table = out.split("same tokens", 1)[1].split("columns:", 1)[0]
+    assert "True" in table and "False" not in table
+    legend = out.split("columns:", 1)[1]
+    assert all(f"  {name}" in legend for name in demo.COLUMNS)  # every column explained
+    assert "Takeaway: " in out and "identical tokens from every cache" in out
+
+
+def test_demo_takeaway_is_computed_from_the_rows():
+    from memos_ref import demo
+
+    def row(cache, forward, ms, copied, same=True):
+        return {
+            "cache": cache,
+            "forward": forward,
+            "ms/token (median)": ms,
+            "bytes copied KiB": copied,
+            "same tokens": same,
+        }
+
+    rows = [
+        row("no cache (recompute)", "package", 30.0, "0"),
+        row("ConcatCache", "package", 6.0, "1,234"),
+        row("ContiguousCache", "package", 5.0, "0"),
+        row("DynamicCache", "transformers", 1.0, "—"),  # another forward: not the package's comparison
+    ]
+    line = demo.takeaway(rows)
+    assert "(ContiguousCache) a decode step took 5.0 ms against 30.0 ms recomputing (6.0x faster)" in line
+    assert "concatenation moved 1,234 KiB where a preallocated buffer wrote each token once, 0 KiB" in line
+    rows[2]["same tokens"] = False
+    assert "SOME TOKENS DIFFER" in demo.takeaway(rows)
+
+
+def test_demo_on_the_real_model_answers_readably(capsys):
+    from conftest import _real_model_path
+
+    from memos_ref import demo
+
+    _real_model_path()  # skips (fails in CI) with the command to run when SmolLM2 is not prepared
+    demo.main(["--new-tokens", "6"])
+    out = capsys.readouterr().out
+    assert out.startswith("smollm2-135m-instruct, greedy") and "\nA: " in out
+    table = out.split("same tokens", 1)[1].split("columns:", 1)[0]
     assert "True" in table and "False" not in table
