@@ -329,57 +329,69 @@ def _waste(r: Report) -> str:
     return _table(header, body)
 
 
+def _peer_label(r: Report, who: str) -> str:
+    """A contender's name with the version or commit its result records."""
+    base = {
+        "ours": "memos-ref `BlockAllocator`",
+        "deque": "deque baseline (nano-vllm style, same hashing)",
+        "vllm": "vLLM {v} `BlockPool`, its own hashing (SHA-256 of pickle)",
+        "vllm_shared_hash": "vLLM {v} `BlockPool`, the package's BLAKE2b",
+        "nanovllm": "nano-vllm {v} `BlockManager`, its own xxh64",
+    }.get(who, who)
+    info = r.get("peers", {}).get("nanovllm" if who == "nanovllm" else "vllm") or {}
+    version = info.get("version") or (info.get("commit") or "")[:7] or "(version not recorded)"
+    return base.format(v=version)
+
+
 def _allocator(r: Report) -> str:
-    names = {"ours": "memos-ref `BlockAllocator`", "deque": "deque baseline (nano-vllm style, same hashing)"}
-    names |= {"vllm": "vLLM v1 `BlockPool` + `FreeKVCacheBlockQueue`", "nanovllm": "nano-vllm `BlockManager`"}
     sizes = sorted({row["pool_blocks"] for row in r["results"]})
-    order = [c for c in ("ours", "vllm") if c in r["config"]["contenders"]]
-    others = [c for c in r["config"]["contenders"] if c not in order]
+    contenders = r["config"]["contenders"]
+    order = [c for c in ("ours", "vllm", "vllm_shared_hash", "nanovllm", "deque") if c in contenders]
     body = []
     for who in order:
         cells = []
         for size in sizes:
             row = next((x for x in r["results"] if x["contender"] == who and x["pool_blocks"] == size), None)
             cells.append(
-                "—" if row is None else f"{row['seconds']:.2f} s [{row['seconds_min']:.2f}–{row['seconds_max']:.2f}]"
+                "not run (O(pool))"
+                if row is None
+                else f"{row['seconds']:.2f} s [{row['seconds_min']:.2f}–{row['seconds_max']:.2f}] ×{row['repeats']}"
             )
-        body.append([names.get(who, who), *cells])
-    table = _table(["CPU seconds, median [min–max]", *[f"{s:,} blocks" for s in sizes]], body)
+        body.append([_peer_label(r, who), *cells])
+    table = _table(["CPU seconds, median [min–max] ×repeats", *[f"{s:,} blocks" for s in sizes]], body)
     summ, lines = r["summary"], []
     keys = ("64k", "1m") if "tokens_per_s_pool_1m" in summ else ("small", "large")
     for who in order[1:]:
-        if who == "deque":
-            continue
         parts = []
         for key in keys:
             ratio = summ.get(f"ours_over_{who}_pool_{key}")
-            span = summ.get(f"ours_over_{who}_pool_{key}_min_max")
-            if ratio is not None:
-                parts.append(f"{ratio:.2f} [{span[0]:.2f}–{span[1]:.2f}] at {key}")
+            if ratio is None:
+                continue
+            lo, hi = summ[f"ours_over_{who}_pool_{key}_min_max"]
+            verdict = summ.get(f"ours_vs_{who}_pool_{key}_verdict", "")
+            parts.append(f"{ratio:.2f} [{lo:.2f}–{hi:.2f}] at {key} ({verdict})")
         if parts:
-            lines.append(f"ours / {names.get(who, who)}: " + ", ".join(parts))
+            lines.append(f"ours / {_peer_label(r, who)}: " + ", ".join(parts))
     lo, hi = summ["pool_size_slowdown_min_max"]
     lines.append(f"ours at the large pool / the small one: {summ['pool_size_slowdown']:.2f} [{lo:.2f}–{hi:.2f}]")
-    text = table + "\n\n" + "; ".join(lines) + " (below 1: ours is faster)."
-    if others:
-        small = min(sizes)
-        at_small = {x["contender"]: x["seconds"] for x in r["results"] if x["pool_blocks"] == small}
-        times = ", ".join(f"{names.get(c, c)} {at_small[c]:.1f} s" for c in others if c in at_small)
-        pred = summ.get("deque_scan_seconds_predicted_pool_64k")
-        if pred is not None:
-            text += (
-                f" The others at {small:,} blocks: {times}. Both keep the free list in a `deque` and call"
-                " `deque.remove` whenever a cached block is reused, which scans the list:"
-                f" {summ['deque_remove_calls_pool_64k']:,} removes scanned {summ['deque_entries_scanned_pool_64k']:,}"
-                f" entries, at {summ['deque_scan_ns_per_entry']:.0f} ns each (measured in the same run) that predicts"
-                f" {pred:.1f} s — an O(pool) step per reuse, where the intrusive lists of ours and vLLM's are O(1)."
-            )
-        else:
-            text += (
-                f" Also in the JSON, not quoted as figures: {times} at {small:,} blocks — far slower than the same"
-                " trace gave them before this run's driver changes (a few seconds), unexplained yet; the nano-vllm"
-                " contender hashes with a BLAKE2b stand-in when `xxhash` is absent."
-            )
+    text = (
+        table + "\n\nEach ratio is the median [min–max] of per-repeat pairs (the two runs of one repeat, order shuffled"
+        " per repeat); below 1 ours is faster, and a spread that straddles 1 is inconclusive.\n\n- "
+        + "\n- ".join(lines)
+    )
+    pred = summ.get("deque_scan_seconds_predicted_pool_64k")
+    if pred is not None:
+        text += (
+            "\n\nThe deque baseline and nano-vllm keep the free list in a `deque` and call `deque.remove` whenever"
+            f" a cached block is reused, which scans the list: {summ['deque_remove_calls_pool_64k']:,} removes"
+            f" scanned {summ['deque_entries_scanned_pool_64k']:,} entries, at {summ['deque_scan_ns_per_entry']:.0f}"
+            f" ns each (measured in the same run), which predicts {pred:.1f} s — an O(pool) step per reuse, where"
+            " the intrusive free lists of ours and vLLM's are O(1). So they are not run at the large pool."
+        )
+    text += (
+        "\n\nReproduce: `make peers && python -m memos_ref.bench allocator --json` (nano-vllm needs GitHub, or"
+        " `MEMOS_REF_NANOVLLM_SRC` naming a checkout of the recorded commit)."
+    )
     return text
 
 
@@ -463,6 +475,14 @@ def _memory(r: Report) -> str:
         f" at 4 threads {s['sharded_speedup_4_threads']:.2f}×; 4 threads over 1 (8 shards)"
         f" {s['threads4_over_1_8_shards']:.2f}×"
     )
+    for op in ("set", "get"):
+        t = s.get(f"{op}_time_over_cachetools_json_copy")
+        if t:
+            side = "faster" if t["max"] < 1 else "slower" if t["min"] > 1 else "inconclusive"
+            text += (
+                f"; `{op}` time, ours / cachetools {r.get('peers', {}).get('cachetools') or ''} + the same JSON copy:"
+                f" {t['median']:.2f} [{t['min']:.2f}–{t['max']:.2f}] over {t['rounds']} interleaved rounds ({side})"
+            )
     if "memory_over_redis_get" in s:
         text += (
             f"; the in-process store answers a get {s['memory_over_redis_get']:g}× faster than Redis on loopback,"
