@@ -21,8 +21,16 @@ import warnings
 
 import pytest
 
-from memos_ref.errors import CapacityExceededError, ConfigError, StateError
-from memos_ref.memory import MemoryBackend, RedisBackend, RedisServer, TTLStore, redis_server_path
+from memos_ref.errors import BackendUnavailableError, CapacityExceededError, ConfigError, KVCacheError, StateError
+from memos_ref.memory import (
+    AbsentKeyError,
+    MemoryBackend,
+    RedisBackend,
+    RedisServer,
+    ShardedStore,
+    TTLStore,
+    redis_server_path,
+)
 from memos_ref.tiering.backends import DiskBackend, RedisTierBackend
 
 _tenants = itertools.count()
@@ -39,6 +47,15 @@ def raw_client(backend: RedisBackend):
     import redis
 
     return redis.Redis.from_url(backend.url)
+
+
+def _raises(cls: type[BaseException], fn) -> bool:
+    """True when ``fn()`` raises ``cls``."""
+    try:
+        fn()
+    except cls:
+        return True
+    return False
 
 
 def run_bounded(fn, seconds: float = 20.0):
@@ -462,14 +479,14 @@ def test_every_call_is_bounded_by_one_timeout_while_redis_is_stopped():
     calls = {
         "get": lambda: mem.get("k", "miss") == "miss",
         "set": lambda: mem.set("k", 2) is None,
-        "update": lambda: mem.update("k", lambda v: 3, default=0) == 3,
+        "update": lambda: _raises(BackendUnavailableError, lambda: mem.update("k", lambda v: 3, default=0)),
         "delete": lambda: mem.delete("k") is False,
         "get_many": lambda: mem.get_many(["k", "j"]) == {},
         "set_many": lambda: mem.set_many({"a": 1, "b": 2}) is None,
         "get_or_compute": lambda: mem.get_or_compute("c", lambda: 5) == 5,
-        "len": lambda: len(mem) == 0,
+        "len": lambda: _raises(BackendUnavailableError, lambda: len(mem)),  # unknown, not 0
         "clear": lambda: mem.clear() is None,
-        "stats": lambda: "errors" in mem.stats(),
+        "stats": lambda: "errors" in (stats := mem.stats()) and "size" not in stats,
         "tier get": lambda: tier.get("blk") is None,
         "tier put": lambda: tier.put("blk", b"x") is False,
         "tier get_many": lambda: tier.get_many(["blk"]) == {},
@@ -540,3 +557,103 @@ def test_a_bool_ttl_is_refused(kind, ttl, request):
         assert backend.get("k") is None
     finally:
         backend.clear()
+
+
+# ====================================================================== follow-up review (H9 items 5, 7, 8, 13, 14)
+@pytest.mark.parametrize(
+    "planted", [b"NaN", b"-Infinity", b"[1,Infinity]", b"1e999", b'{"a":-1e400}', b'"\xed\xa0\x80"']
+)
+def test_redis_planted_non_json_numbers_and_raw_surrogates_are_corrupt_misses(redis_server, planted):
+    """What this store's writes refuse (NaN, infinities, a surrogate encoded as UTF-8 bytes) is not served when
+    another client plants it: a miss counted corrupt (before: get returned nan, inf or a lone surrogate)."""
+    b = RedisBackend(redis_server.url, namespace="planted", tenant=f"t{next(_tenants)}")
+    with pytest.raises(ConfigError):
+        b.set("k", float("nan"))
+    raw_client(b).set(b.prefix + "k", planted)
+    assert b.get("k", "miss") == "miss" and b.get_many(["k"]) == {}
+    assert b.stats()["corrupt"] == 2
+    assert b.update("k", lambda v: [v], default="absent") == ["absent"]  # read as absent, then overwritten
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_get_or_compute_reentered_for_its_own_key_raises_instead_of_hanging(kind, request):
+    backend = make(kind, request)
+    outcome, value = run_bounded(lambda: backend.get_or_compute("k", lambda: backend.get_or_compute("k", lambda: 1)))
+    assert outcome == "raised" and isinstance(value, StateError), (outcome, value)
+    assert "inside its own compute()" in str(value)
+    assert backend.get("k") is None  # nothing stored by the failed flight
+    assert backend.get_or_compute("k", lambda: 2) == 2  # the flight was cleared: the key computes again
+    assert backend.get_or_compute("j", lambda: backend.get_or_compute("i", lambda: 3)) == 3  # other keys: fine
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_get_or_compute_waiter_gives_up_after_wait_s(kind, request):
+    """A leader whose compute hangs does not block its waiters forever: after ``wait_s`` they raise
+    BackendUnavailableError; the leader's flight goes on and stores its value."""
+    backend = make(kind, request)
+    started, release = threading.Event(), threading.Event()
+
+    def slow():
+        started.set()
+        release.wait(30)
+        return "leader"
+
+    leader = threading.Thread(target=lambda: backend.get_or_compute("k", slow), daemon=True)
+    leader.start()
+    assert started.wait(30)
+    outcome, value = run_bounded(lambda: backend.get_or_compute("k", lambda: "waiter", wait_s=0.05))
+    assert outcome == "raised" and isinstance(value, BackendUnavailableError), (outcome, value)
+    assert "wait_s=0.05" in str(value) and backend.computations == 1  # the waiter computed nothing
+    release.set()
+    leader.join(30)
+    assert backend.get("k") == "leader"
+    with pytest.raises(ConfigError, match="wait_s"):
+        backend.get_or_compute("k", lambda: 1, wait_s=0)
+
+
+def test_sharded_store_limits_are_for_the_whole_store():
+    """``ShardedStore(4, max_bytes=1000)`` holds at most 1000 bytes (before: 1000 per shard, 3220 in all)."""
+    store = ShardedStore(4, max_bytes=1000)
+    for i in range(100):
+        store.set(f"k{i}", "x" * 100)
+    held = sum(shard.bytes for shard in store.shards)
+    assert 0 < held <= 1000 and store.max_bytes == 1000
+    by_entries = ShardedStore(4, max_entries=10)
+    for i in range(100):
+        by_entries.set(f"k{i}", i)
+    assert 0 < len(by_entries) <= 10 and by_entries.max_entries == 8  # 10 // 4 per shard
+    with pytest.raises(CapacityExceededError):  # larger than one shard's share: could never be held
+        store.set("big", "x" * 300)
+    with pytest.raises(ConfigError, match="split across 4 shards"):
+        ShardedStore(4, max_entries=3)
+
+
+def test_redis_update_on_an_unreachable_server_raises_and_claims_nothing():
+    """Issue 24 item 4: never claim a write that did not happen (before: update returned fn(default))."""
+    if redis_server_path() is None and not os.environ.get("CI"):
+        pytest.skip("redis-server is not installed here (apt-get install -y redis-server)")
+    server = RedisServer().start()
+    b = RedisBackend(server.url, tenant="gone", retry_after=60.0)
+    assert b.update("k", lambda v: v + 1, default=0) == 1 and len(b) == 1
+    server.stop()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(BackendUnavailableError, match="stored nothing"):
+            b.update("k", lambda v: v + 1, default=0)
+        with pytest.raises(BackendUnavailableError, match="unknown"):
+            len(b)
+        stats = b.stats()
+    assert stats["dropped_sets"] == 1 and "size" not in stats
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_ttl_of_an_absent_or_negatively_cached_key_is_a_package_key_error(kind, request):
+    backend = make(kind, request)
+    assert backend.get_or_compute("neg", lambda: None) is None
+    for key in ("neg", "absent"):
+        with pytest.raises(AbsentKeyError) as info:
+            backend.ttl(key)
+        assert isinstance(info.value, KeyError) and isinstance(info.value, KVCacheError)
+        assert key not in backend and backend.get(key) is None  # ttl agrees with in and get
+    backend.set("live", 1, ttl=100)
+    assert 0 < backend.ttl("live") <= 100

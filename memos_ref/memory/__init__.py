@@ -8,11 +8,12 @@ from memos_ref.memory.metrics import MemoryMetrics
 from memos_ref.memory.redis_backend import RedisBackend
 from memos_ref.memory.redis_server import RedisServer, redis_server_path
 from memos_ref.memory.sharded import MemoryBackend, ShardedStore
-from memos_ref.memory.store import POLICIES, KVEntry, TTLStore, validate_key
+from memos_ref.memory.store import POLICIES, AbsentKeyError, KVEntry, TTLStore, validate_key
 
 __all__ = [
     "MISSING",
     "POLICIES",
+    "AbsentKeyError",
     "CacheBackend",
     "KVEntry",
     "MemoryBackend",

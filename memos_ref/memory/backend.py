@@ -29,11 +29,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from memos_ref.errors import ArgumentTypeError, ConfigError, StateError, check_type
+from memos_ref.errors import ArgumentTypeError, BackendUnavailableError, ConfigError, StateError, check_type
 from memos_ref.memory.store import MISSING
-from memos_ref.resilient import MAX_TTL_S, validate_ttl
+from memos_ref.resilient import MAX_TTL_S, check_seconds, validate_ttl
 
-__all__ = ["MISSING", "CacheBackend", "key_list"]
+__all__ = ["DEFAULT_FLIGHT_WAIT_S", "MISSING", "CacheBackend", "key_list", "short_key"]
 
 #: Completion stamps of single-flight computations, by a hash of the key (a fixed table: bounded memory).
 _STAMPS = 64
@@ -42,13 +42,17 @@ _STAMPS = 64
 class _Flight:
     """One in-flight computation: its waiters read ``payload`` (the leader's result as JSON) once ``done`` is set."""
 
-    __slots__ = ("done", "ok", "payload")
+    __slots__ = ("done", "leader", "ok", "payload")
 
     def __init__(self) -> None:
         self.done = threading.Event()
         self.ok = False
         self.payload: str | None = None
+        self.leader = threading.get_ident()  # the thread computing: it must never wait on its own flight
 
+
+#: How long a ``get_or_compute`` caller waits for another thread's computation of the same key by default.
+DEFAULT_FLIGHT_WAIT_S = 60.0
 
 #: Stand-in for "use the backend's default TTL" (``None`` means "never expires").
 DEFAULT = ...
@@ -112,7 +116,8 @@ class CacheBackend(ABC):
 
     @abstractmethod
     def ttl(self, key: str) -> float | None:
-        """Seconds left before ``key`` expires; None if it never expires. Raises KeyError if absent."""
+        """Seconds left before ``key`` expires; None if it never expires. Raises
+        :class:`~memos_ref.memory.store.AbsentKeyError` (a ``KeyError``) if absent or negatively cached."""
 
     @abstractmethod
     def update(self, key: str, fn: Callable[[Any], Any], default: Any = None, ttl: float | None = DEFAULT) -> Any:  # type: ignore[assignment]
@@ -188,17 +193,31 @@ class CacheBackend(ABC):
         for key, value in items.items():
             self.set(key, value, ttl)
 
-    def get_or_compute(self, key: str, compute: Callable[[], Any], ttl: float | None = DEFAULT) -> Any:  # type: ignore[assignment]
+    def get_or_compute(
+        self,
+        key: str,
+        compute: Callable[[], Any],
+        ttl: float | None = DEFAULT,  # type: ignore[assignment]
+        *,
+        wait_s: float = DEFAULT_FLIGHT_WAIT_S,
+    ) -> Any:
         """The cached value, or ``compute()`` run by exactly one caller in this process while concurrent callers
         for the same key wait for its result (single flight): each waiter gets its own copy of the leader's
         result, without another read. A ``None`` result is cached as a miss for ``negative_ttl`` seconds, so a
         storm of lookups for something that does not exist computes once. If ``compute`` raises, the error
-        reaches the leader and one waiter takes the lead. A value a user stored always reads back as itself."""
+        reaches the leader and one waiter takes the lead. A value a user stored always reads back as itself.
+
+        A waiter waits at most ``wait_s`` seconds (default :data:`DEFAULT_FLIGHT_WAIT_S`) for the leader, then
+        raises :class:`~memos_ref.errors.BackendUnavailableError` (a hung ``compute`` never blocks its waiters
+        forever; the leader's flight goes on). ``compute`` calling ``get_or_compute`` for the same key (it would
+        wait on its own flight forever) raises :class:`~memos_ref.errors.StateError`."""
         self._check_reentry()
         if not callable(compute):
             raise ArgumentTypeError(f"compute: expected a callable, got {type(compute).__name__} ({compute!r:.80})")
         if ttl is not DEFAULT:
             validate_ttl(ttl)
+        if wait_s is not DEFAULT_FLIGHT_WAIT_S:
+            wait_s = check_seconds("wait_s", wait_s)
         slot = zlib.crc32(key.encode(errors="surrogatepass")) % _STAMPS if isinstance(key, str) else 0
         absent = object()
         rechecked = False
@@ -219,7 +238,17 @@ class CacheBackend(ABC):
                 rechecked = True
                 continue
             if not leader:
-                flight.done.wait()
+                if flight.leader == threading.get_ident():
+                    raise StateError(
+                        f"get_or_compute({short_key(key)}) was called again from inside its own compute(): it would "
+                        "wait on its own computation forever — compute must not ask for the key it computes"
+                    )
+                if not flight.done.wait(wait_s):
+                    raise BackendUnavailableError(
+                        f"get_or_compute({short_key(key)}): the computation in flight in another thread has not "
+                        f"finished after wait_s={wait_s} s; nothing was stored by this call (retry later, or pass "
+                        "a larger wait_s)"
+                    )
                 if flight.ok:
                     return None if flight.payload is None else json.loads(flight.payload)
                 continue  # the leader failed: read again, and maybe take the lead
@@ -255,6 +284,12 @@ class CacheBackend(ABC):
         s = self.stats()
         lookups = s.get("hits", 0) + s.get("misses", 0)
         return s.get("hits", 0) / lookups if lookups else 0.0
+
+
+def short_key(key: object) -> str:
+    """A key for an error message: at most 80 characters of its repr."""
+    text = repr(key)
+    return text if len(text) <= 80 else f"{text[:80]}... ({len(text)} characters)"
 
 
 def key_list(keys: Iterable[str]) -> list[str]:

@@ -24,8 +24,10 @@
 * **Negative caching** stores one NUL byte, which no JSON document is, so a user value can never be read back as
   "nothing found" (nor the reverse).
 * **Untrusted values**: a value read back is bounded (``GETRANGE`` reads at most ``max_value_bytes + 1``
-  bytes) and must decode as JSON; anything else (not UTF-8, not JSON, nested past the interpreter's recursion
-  limit, too large) is counted ``corrupt`` and answered as a miss.
+  bytes) and must decode as strict JSON; anything else (not UTF-8 — a surrogate encoded as bytes included —,
+  not JSON, ``NaN``/``Infinity`` or a number overflowing to an infinity such as ``1e999``, nested past the
+  interpreter's recursion limit, too large) is counted ``corrupt`` and answered as a miss: what this store's
+  writes refuse is never served.
 
 Point it at an existing Redis with ``RedisBackend("redis://host:6379/0", namespace="myapp")``.
 """
@@ -34,14 +36,15 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
-from memos_ref.errors import ArgumentTypeError, ConfigError, check_type
-from memos_ref.memory.backend import DEFAULT, CacheBackend, key_list
-from memos_ref.memory.store import MISSING, encode_value, validate_key
+from memos_ref.errors import ArgumentTypeError, BackendUnavailableError, ConfigError, check_type
+from memos_ref.memory.backend import DEFAULT, DEFAULT_FLIGHT_WAIT_S, CacheBackend, key_list, short_key
+from memos_ref.memory.store import MISSING, AbsentKeyError, encode_value, validate_key
 from memos_ref.resilient import DEFAULT_FAILURE_THRESHOLD, DEFAULT_TIMEOUT_S, ResilientRedis, error_kind, ttl_to_px
 
 __all__ = ["RedisBackend"]
@@ -53,6 +56,19 @@ _NEGATIVE = b"\x00"
 _MAX_UPDATE_ATTEMPTS = 100
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _refuse_constant(name: str) -> Any:
+    """``NaN``, ``Infinity``, ``-Infinity``: not JSON, and refused by this store's writes."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number as a float, refusing one that overflows to an infinity (``1e999``)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} overflows a float")
+    return value
 
 
 def _operation(method: F) -> F:
@@ -156,8 +172,8 @@ class RedisBackend(CacheBackend):
         if len(raw) > self.max_value_bytes:
             self._count("corrupt")
             return sentinel
-        try:
-            return json.loads(raw)
+        try:  # strict: what this store's writes refuse (NaN, 1e999, raw surrogates: not UTF-8) is not a value
+            return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant, parse_float=_finite_float)
         except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             self._count("corrupt")
             return sentinel
@@ -202,9 +218,10 @@ class RedisBackend(CacheBackend):
         ``MULTI``/``SET``/``EXEC``; if another client wrote the key in between, ``EXEC`` fails and the whole
         step is retried, so ``fn`` may run more than once. A key of another type (a list, a hash, ...), a value
         that does not decode, or a negatively cached key counts as absent: ``fn(default)`` is stored over it,
-        as ``set`` overwrites. While the server is unreachable, or when it refuses the write (full, read-only),
-        the write is dropped (counted ``dropped_sets``) and ``fn`` of what was read (``default`` if nothing
-        could be read) is returned, as ``set`` drops a write. ``fn`` calling this backend raises
+        as ``set`` overwrites. While the server is unreachable, when it refuses the write (full, read-only), or
+        when other clients kept writing the key through every retry, the write is dropped (counted
+        ``dropped_sets``) and :class:`~memos_ref.errors.BackendUnavailableError` is raised: ``update`` returns
+        only a value it stored, never one it merely computed. ``fn`` calling this backend raises
         :class:`~memos_ref.errors.StateError`."""
         if not callable(fn):
             raise ArgumentTypeError(f"fn: expected a callable, got {type(fn).__name__} ({fn!r:.80})")
@@ -246,16 +263,27 @@ class RedisBackend(CacheBackend):
         value = self._call(read_modify_write, sentinel)
         if value is sentinel:
             self._count("dropped_sets")
-            return computed[0] if computed else self._run_fn(fn, default)
+            raise BackendUnavailableError(
+                f"redis update({short_key(key)}) stored nothing: the server is unreachable, refused the write, or "
+                f"other clients kept writing the key through {_MAX_UPDATE_ATTEMPTS} attempts (counted "
+                "dropped_sets) — retry, or fall back on your own default"
+            )
         self._count("hits" if reads[0] else "misses")
         self._count("sets")
         return value
 
     @_operation
-    def get_or_compute(self, key: str, compute: Callable[[], Any], ttl: float | None = DEFAULT) -> Any:  # type: ignore[assignment]
+    def get_or_compute(
+        self,
+        key: str,
+        compute: Callable[[], Any],
+        ttl: float | None = DEFAULT,  # type: ignore[assignment]
+        *,
+        wait_s: float = DEFAULT_FLIGHT_WAIT_S,
+    ) -> Any:
         """See :meth:`CacheBackend.get_or_compute`; one operation, so against a hung server the read costs one
         ``timeout`` and the write is skipped (``compute``'s own time is not bounded here)."""
-        return super().get_or_compute(key, compute, ttl)
+        return super().get_or_compute(key, compute, ttl, wait_s=wait_s)
 
     @_operation
     def delete(self, key: str) -> bool:
@@ -267,19 +295,20 @@ class RedisBackend(CacheBackend):
 
     @_operation
     def ttl(self, key: str) -> float | None:
-        """Seconds left; KeyError when absent, unreachable, or holding a value of another type (which ``get``
-        answers as a miss too)."""
+        """Seconds left; :class:`AbsentKeyError` (a ``KeyError``) when absent, negatively cached, unreachable,
+        or holding a value of another type (each of which ``get`` answers as a miss too)."""
         rkey = self._key(key)
 
-        def type_and_pttl() -> list:
+        def type_pttl_head() -> list:
             pipe = self.client.pipeline(transaction=False)
             pipe.type(rkey)
             pipe.pttl(rkey)
+            pipe.getrange(rkey, 0, 1)  # the NUL byte of a negatively cached key, read without the value
             return pipe.execute(raise_on_error=False)
 
-        kind, ms = self._call(type_and_pttl, [b"none", -2])
-        if kind != b"string" or not isinstance(ms, int) or ms == -2:
-            raise KeyError(key)
+        kind, ms, head = self._call(type_pttl_head, [b"none", -2, b""])
+        if kind != b"string" or not isinstance(ms, int) or ms == -2 or head == _NEGATIVE:
+            raise AbsentKeyError(key)
         return None if ms == -1 else ms / 1000
 
     @_operation
@@ -345,9 +374,21 @@ class RedisBackend(CacheBackend):
         self._count("sets", stored)
         self._count("dropped_sets", len(prepared) - stored)
 
+    def _count_keys(self) -> int | None:
+        """The keys of this namespace, or None when the server could not be asked."""
+        return self._call(lambda: sum(1 for _ in self.client.scan_iter(match=self.prefix + "*", count=1000)), None)
+
     @_operation
     def __len__(self) -> int:
-        return self._call(lambda: sum(1 for _ in self.client.scan_iter(match=self.prefix + "*", count=1000)), 0)
+        """The keys of this namespace. Raises :class:`~memos_ref.errors.BackendUnavailableError` when the server
+        cannot be reached (the size is unknown, not 0)."""
+        n = self._count_keys()
+        if n is None:
+            raise BackendUnavailableError(
+                f"redis namespace {self.prefix!r}: its size is unknown, the server is unreachable (len() never "
+                "answers 0 for a server it could not ask)"
+            )
+        return n
 
     @_operation
     def _counters(self) -> dict[str, int]:
@@ -356,7 +397,9 @@ class RedisBackend(CacheBackend):
         counts.setdefault("misses", 0)
         counts["degraded"] = int(self._degraded())
         if not self._degraded():
-            counts["size"] = len(self)
+            size = self._count_keys()
+            if size is not None:  # unknown while unreachable: left out, as a key the backend cannot know
+                counts["size"] = size
             info = self._call(lambda: self.client.info("stats"), {})
             # server-wide (every namespace on this server), as Redis reports them
             for name in ("expired_keys", "evicted_keys"):

@@ -18,7 +18,7 @@ from typing import Any
 
 from memos_ref.errors import ArgumentTypeError, ConfigError, check_type
 from memos_ref.memory.backend import DEFAULT, CacheBackend
-from memos_ref.memory.store import MISSING, TTLStore, validate_key
+from memos_ref.memory.store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, MISSING, TTLStore, validate_key
 
 __all__ = ["MISSING", "MemoryBackend", "ShardedStore"]
 
@@ -29,7 +29,10 @@ class ShardedStore(CacheBackend):
     Args:
         shards: number of shards (1 = a single lock).
         default_ttl / negative_ttl / ttl_jitter / seed: see :class:`CacheBackend`.
-        **store_kwargs: passed to every :class:`TTLStore` (capacity limits are per shard; ``policy``, ``clock``).
+        **store_kwargs: passed to every :class:`TTLStore` (``policy``, ``clock``, ``max_value_bytes``, ...).
+            ``max_entries`` and ``max_bytes`` are for the whole store: each shard gets ``limit // shards``, so
+            the store never holds more than the limit (a shard may evict a little before the store is full,
+            as keys hash unevenly); a limit smaller than ``shards`` is refused with ``ConfigError``.
     """
 
     name = "memory"
@@ -48,8 +51,20 @@ class ShardedStore(CacheBackend):
         if shards < 1:
             raise ConfigError(f"shards must be >= 1, got {shards}")
         super().__init__(default_ttl=default_ttl, negative_ttl=negative_ttl, ttl_jitter=ttl_jitter, seed=seed)
+        for name, default in (("max_entries", DEFAULT_MAX_ENTRIES), ("max_bytes", DEFAULT_MAX_BYTES)):
+            limit = store_kwargs.get(name, default)
+            if type(limit) is int and limit > 0:  # anything else: TTLStore refuses it, naming it
+                if limit < shards:
+                    raise ConfigError(
+                        f"{name}={limit} is split across {shards} shards (the limit is for the whole store): "
+                        f"expected at least {shards}, or fewer shards"
+                    )
+                store_kwargs[name] = limit // shards
         self.shards = [TTLStore(default_ttl=default_ttl, **store_kwargs) for _ in range(shards)]
         self.locks = [threading.Lock() for _ in range(shards)]
+        #: the whole store's limits: each shard holds at most an equal share
+        self.max_entries = self.shards[0].max_entries * shards
+        self.max_bytes = self.shards[0].max_bytes * shards
 
     def _shard(self, key: str) -> int:
         validate_key(key)

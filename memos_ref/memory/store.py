@@ -34,13 +34,35 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
-from memos_ref.errors import ArgumentTypeError, CapacityExceededError, ConfigError, StateError, check_type
+from memos_ref.errors import (
+    ArgumentTypeError,
+    CapacityExceededError,
+    ConfigError,
+    KVCacheError,
+    StateError,
+    check_type,
+)
 from memos_ref.lru import SizedLRU
 from memos_ref.resilient import validate_ttl
 
-__all__ = ["MISSING", "POLICIES", "KVEntry", "TTLStore", "encode_value", "json_text", "validate_key"]
+__all__ = ["MISSING", "POLICIES", "AbsentKeyError", "KVEntry", "TTLStore", "encode_value", "json_text", "validate_key"]
 
 POLICIES = ("lru", "lfu", "hybrid")
+#: A store's default capacity (a :class:`ShardedStore` splits it across its shards).
+DEFAULT_MAX_ENTRIES = 10_000
+DEFAULT_MAX_BYTES = 64 * 2**20
+
+
+class AbsentKeyError(KVCacheError, KeyError):
+    """``ttl()`` of a key with no live value (absent, expired, negatively cached, or unreachable on Redis): a
+    package error that is still the ``KeyError`` the store's contract names."""
+
+    def __str__(self) -> str:
+        key = self.args[0] if self.args else ""
+        text = key if isinstance(key, str) else repr(key)
+        return f"no live value for key {text[:80]!r}" + (f" ({len(text)} characters)" if len(text) > 80 else "")
+
+
 _MAX_KEY = 250
 
 
@@ -169,8 +191,8 @@ class TTLStore:
     def __init__(
         self,
         *,
-        max_entries: int = 10_000,
-        max_bytes: int = 64 * 2**20,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        max_bytes: int = DEFAULT_MAX_BYTES,
         max_value_bytes: int = 2**20,
         policy: str = "hybrid",
         default_ttl: float | None = 300.0,
@@ -360,11 +382,12 @@ class TTLStore:
         return True
 
     def remaining_ttl(self, key: str) -> float | None:
-        """Seconds until ``key`` expires (None: never). Raises KeyError if it is absent or expired."""
+        """Seconds until ``key`` expires (None: never). Raises :class:`AbsentKeyError` (a ``KeyError``) if it is
+        absent, expired or negatively cached — absent as ``in`` and :meth:`get` say."""
         entry = self._entries.get(validate_key(key))
         now = self.clock()
-        if entry is None or self._expired(entry, now):
-            raise KeyError(key)
+        if entry is None or self._expired(entry, now) or not entry[_PAYLOAD]:
+            raise AbsentKeyError(key)
         return None if entry[_EXPIRE] is None else entry[_EXPIRE] - now
 
     def clear(self) -> None:
