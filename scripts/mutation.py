@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=Path(os.environ.get("MUTATION_WORKDIR", "/tmp/memos-mutation")))
     ap.add_argument("--max-children", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--list", action="store_true", help="print the functions that would be mutated, run nothing")
+    ap.add_argument("--tests", action="append", help="test file globs to use instead of the area's (a quick look)")
     args = ap.parse_args(argv)
 
     record = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     for area in args.area or sorted(AREAS):
         module_globs, test_globs = AREAS[area]
         modules = head_files(module_globs)
-        tests = head_files(test_globs)
+        tests = head_files(args.tests or test_globs)
         targets: dict[str, set[str]] = {}
         for module in modules:
             functions = mangled_functions(git("show", f"HEAD:{module}"))
@@ -249,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         if done.returncode != 0:
             print(f"   mutmut exited with {done.returncode}; see {log}")
         run_summary = {"area": area, "commit": head, "base": None if args.full else base, "seconds": seconds}
+        run_summary.update(tests=tests, only=args.function, max_children=args.max_children)
         run_summary["functions"] = sum(map(len, targets.values()))
         for module, names in targets.items():
             got = collect(tree, module, names)
