@@ -15,10 +15,12 @@ from memos_ref.errors import ConfigError, DeviceError, DTypeError, InvalidArgume
 
 __all__ = [
     "CACHE_DTYPES",
+    "INDEX_DTYPES",
     "NEG",
     "CheckResult",
     "check_cache",
     "check_fp8",
+    "check_index_dtypes",
     "check_slots",
     "check_tables",
     "default_device",
@@ -33,6 +35,8 @@ CACHE_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
     "int8": (torch.int8,),
     "fp8": (torch.uint8,),  # e4m3 codes stored as bytes
 }
+
+INDEX_DTYPES = (torch.int32, torch.int64)  # block ids, slots and lengths: exact integers, never truncated floats
 
 
 def is_pow2(n: int) -> bool:
@@ -76,6 +80,15 @@ def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, quant: str =
     return n, h, t, d
 
 
+def check_index_dtypes(**tensors: torch.Tensor) -> None:
+    """Refuse metadata (block tables, lengths, slot mappings, copy pairs) that is not int32/int64: a float or
+    bool tensor would be truncated by ``.to(int64)`` or read as bytes by a kernel — the wrong blocks, silently.
+    Free (reads only the dtype, never the values)."""
+    for name, x in tensors.items():
+        if x.dtype not in INDEX_DTYPES:
+            raise DTypeError(f"{name} must be int32 or int64, got {x.dtype}")
+
+
 def should_validate(validate: bool | None, device: torch.device) -> bool:
     """Whether a wrapper reads its metadata's values (:func:`check_tables`, :func:`check_slots`): ``validate``
     when given; by default only on the CPU, where the read is free — on a GPU it would synchronize the host every
@@ -90,6 +103,7 @@ def check_tables(
     """Refuse paged metadata a kernel would read past: lengths below 0, beyond the tables' width × block size
     (or the host's ``max_len`` bound the launch was planned for), and block ids outside ``[0, num_blocks)`` among
     the columns a sequence uses. Reads the values (free on the CPU; one host sync on a GPU)."""
+    check_index_dtypes(block_tables=block_tables, seq_lens=seq_lens)
     width = block_tables.shape[1]
     cap = width * block_size if max_len is None else min(width * block_size, max_len)
     if seq_lens.numel() == 0:
@@ -113,14 +127,26 @@ def check_tables(
 
 
 def check_slots(slots: torch.Tensor, num_slots: int) -> None:
-    """Refuse a slot mapping with an entry other than -1 (skip) or a slot in ``[0, num_slots)`` (reads the
-    values: free on the CPU; one host sync on a GPU)."""
+    """Refuse a slot mapping with an entry other than -1 (skip) or a slot in ``[0, num_slots)``, or with one slot
+    named twice (on a GPU which token's write wins is undefined). Reads the values: free on the CPU; one host sync
+    on a GPU."""
+    check_index_dtypes(slot_mapping=slots)
     bad = (slots < -1) | (slots >= num_slots)
     if slots.numel() and bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise InvalidArgumentError(
             f"slot_mapping[{i}] = {int(slots[i])}, expected -1 (skip) or a slot in [0, {num_slots})"
         )
+    live = slots[slots >= 0]
+    if live.numel() > 1:
+        values, counts = torch.unique(live, return_counts=True)
+        if bool((counts > 1).any()):
+            slot = int(values[counts > 1][0])
+            first, second = (int(i) for i in (slots == slot).nonzero()[:2, 0])
+            raise InvalidArgumentError(
+                f"slot_mapping[{first}] and slot_mapping[{second}] both name slot {slot}, expected distinct slots "
+                "(-1 may repeat)"
+            )
 
 
 @dataclass(frozen=True)

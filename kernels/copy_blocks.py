@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from memos_kernels.common import CheckResult, default_device
+from memos_kernels.common import CheckResult, check_index_dtypes, default_device
 from memos_kernels.timing import time_ms
 
-from memos_ref.errors import ConfigError, DeviceError, ShapeError
+from memos_ref.errors import DeviceError, InvalidArgumentError, ShapeError
 
 __all__ = [
     "KERNELS",
@@ -51,11 +51,15 @@ KERNELS = (copy_blocks_kernel,)
 # ---------------------------------------------------------------------------------------------- wrapper
 def copy_blocks(pool: torch.Tensor, pairs: torch.Tensor) -> None:
     """Copy whole blocks ``pool[src] -> pool[dst]`` for every row ``(src, dst)`` of ``pairs [n, 2]`` (a
-    contiguous pool ``[N, ...]``); destinations must be distinct and not also sources."""
+    contiguous pool ``[N, ...]``); ``pairs`` int32/int64 (else :class:`~memos_ref.errors.DTypeError`), ids in
+    ``[0, N)``, destinations distinct and not also sources (else
+    :class:`~memos_ref.errors.InvalidArgumentError`). Always validated: it reads the pairs' values (one host sync
+    on a GPU)."""
     if not pool.is_contiguous():
         raise ShapeError("copy_blocks needs a contiguous pool")
     if pairs.ndim != 2 or pairs.shape[1] != 2:
         raise ShapeError(f"pairs must be [n, 2] (src, dst), got {tuple(pairs.shape)}")
+    check_index_dtypes(pairs=pairs)
     if pairs.numel() == 0:
         return
     if pairs.device != pool.device:
@@ -64,9 +68,19 @@ def copy_blocks(pool: torch.Tensor, pairs: torch.Tensor) -> None:
     n = pool.shape[0]
     if int(flat.min()) < 0 or int(flat.max()) >= n:
         raise ShapeError(f"block ids must be in [0, {n})")
-    dsts = flat[:, 1].tolist()
-    if len(set(dsts)) != len(dsts) or set(dsts) & set(flat[:, 0].tolist()):
-        raise ConfigError("copy_blocks destinations must be distinct and must not be sources")
+    srcs, dsts = flat[:, 0].tolist(), flat[:, 1].tolist()
+    seen: dict[int, int] = {}
+    for i, dst in enumerate(dsts):
+        if dst in seen:  # on a GPU which pair's copy wins is undefined
+            raise InvalidArgumentError(
+                f"pairs[{seen[dst]}] and pairs[{i}] both copy onto block {dst}: destinations must be distinct"
+            )
+        seen[dst] = i
+    both = sorted(set(dsts) & set(srcs))
+    if both:
+        raise InvalidArgumentError(
+            f"block {both[0]} is both a source and a destination: destinations must be distinct and not sources"
+        )
     numel = pool[0].numel()
     chunk = 1024
     copy_blocks_kernel[(flat.shape[0], triton.cdiv(numel, chunk))](pool, flat, numel, n, CHUNK=chunk)

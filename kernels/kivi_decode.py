@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from memos_kernels.common import NEG, CheckResult, default_device, is_pow2, should_validate
+from memos_kernels.common import NEG, CheckResult, check_index_dtypes, default_device, is_pow2, should_validate
 from memos_kernels.paged_decode import (
     LOG2E,
     DecodeWorkspace,
@@ -230,8 +230,9 @@ def _check_blocks(blocks: KiviBlocks, device: torch.device) -> tuple[int, int, i
     stg = blocks.staging
     if stg.ndim != 5 or tuple(stg.shape[1:]) != (2, h, t, d) or not stg.dtype.is_floating_point:
         raise ShapeError(f"staging must be a float [S, 2, {h}, {t}, {d}] slab, got {stg.dtype} {list(stg.shape)}")
-    if blocks.staging_slot.shape != (n,) or blocks.staging_slot.dtype not in (torch.int32, torch.int64):
+    if blocks.staging_slot.shape != (n,):
         raise ShapeError(f"staging_slot must be an integer [{n}] (one row per block, -1: sealed)")
+    check_index_dtypes(staging_slot=blocks.staging_slot)
     if blocks.staging_slot.device != device or stg.device != device:
         raise DeviceError(f"the staging slab and slot map must be on the query's device {device}")
     return h, t, d, gv

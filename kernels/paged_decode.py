@@ -27,6 +27,7 @@ from memos_kernels.common import (
     CheckResult,
     check_cache,
     check_fp8,
+    check_index_dtypes,
     check_tables,
     default_device,
     should_validate,
@@ -463,8 +464,7 @@ def validate_decode_inputs(
             f"block_tables [{b}, max_blocks] and seq_lens [{b}] expected, got {tuple(block_tables.shape)} and "
             f"{tuple(seq_lens.shape)}"
         )
-    if block_tables.dtype not in (torch.int32, torch.int64) or seq_lens.dtype not in (torch.int32, torch.int64):
-        raise DTypeError(f"block_tables and seq_lens must be int32/int64, got {block_tables.dtype}/{seq_lens.dtype}")
+    check_index_dtypes(block_tables=block_tables, seq_lens=seq_lens)
     if not query.dtype.is_floating_point:
         raise DTypeError(f"query must be floating point, got {query.dtype}")
     if len({query.device, block_tables.device, seq_lens.device}) != 1:

@@ -17,7 +17,15 @@ import math
 import torch
 import triton
 import triton.language as tl
-from memos_kernels.common import NEG, CheckResult, check_cache, check_tables, default_device, should_validate
+from memos_kernels.common import (
+    NEG,
+    CheckResult,
+    check_cache,
+    check_index_dtypes,
+    check_tables,
+    default_device,
+    should_validate,
+)
 from memos_kernels.paged_decode import (
     LOG2E,
     decode_config,
@@ -181,6 +189,7 @@ def paged_prefill_attention(
         raise ShapeError(
             f"seq_lens and query_lens must be [{b}], got {tuple(seq_lens.shape)}, {tuple(query_lens.shape)}"
         )
+    check_index_dtypes(block_tables=block_tables, seq_lens=seq_lens, query_lens=query_lens)
     checked = should_validate(validate, query.device)
     if checked and bool(((query_lens > seq_lens) | (query_lens > q) | (query_lens < 0)).any()):  # one check
         bad = int(((query_lens > seq_lens) | (query_lens > q) | (query_lens < 0)).nonzero()[0, 0])

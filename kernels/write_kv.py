@@ -16,7 +16,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from memos_kernels.common import CheckResult, check_cache, check_fp8, check_slots, default_device, should_validate
+from memos_kernels.common import (
+    CheckResult,
+    check_cache,
+    check_fp8,
+    check_index_dtypes,
+    check_slots,
+    default_device,
+    should_validate,
+)
 from memos_kernels.timing import time_ms
 
 from memos_ref.errors import DeviceError, DTypeError, ShapeError
@@ -197,12 +205,14 @@ def _check_write(
 ) -> tuple[int, int, int, torch.Tensor]:
     """Shared checks of the write wrappers; returns (H, T, D) and the slots as int64. ``validate`` (default: on
     the CPU only, where it costs no host sync) refuses slots other than -1 or ``[0, N · T)``; unvalidated, the
-    kernels skip such slots (never write outside the pool)."""
+    kernels skip such slots (never write outside the pool); validated, a slot named twice is refused too. A slot
+    mapping that is not int32/int64 is always refused (:class:`~memos_ref.errors.DTypeError`)."""
     n, h, t, d = check_cache(key_cache, value_cache, quant)
     if key.ndim != 3 or key.shape != value.shape or tuple(key.shape[1:]) != (h, d):
         raise ShapeError(f"key/value must both be [tokens, {h}, {d}], got {tuple(key.shape)} and {tuple(value.shape)}")
-    if slots.shape != (key.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
+    if slots.shape != (key.shape[0],):
         raise ShapeError(f"slots must be an integer tensor [{key.shape[0]}], got {tuple(slots.shape)} {slots.dtype}")
+    check_index_dtypes(slot_mapping=slots)
     if key.device != key_cache.device or slots.device != key_cache.device:
         raise DeviceError("key, value, slots and caches must be on one device")
     if key.stride(-1) != 1 or value.stride(-1) != 1:

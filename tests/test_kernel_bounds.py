@@ -16,11 +16,12 @@ import torch
 
 pytest.importorskip("triton")
 from memos_kernels import triton_paged as tk
+from memos_kernels.common import check_tables
 from memos_kernels.copy_blocks import copy_blocks_kernel
 from memos_kernels.kivi_decode import kivi_dequantize, paged_decode_attention_kivi_packed, random_kivi_blocks
 from memos_kernels.write_kv import write_kv_reference
 
-from memos_ref.errors import InvalidArgumentError, InvalidBlockError, ShapeError
+from memos_ref.errors import DTypeError, InvalidArgumentError, InvalidBlockError, ShapeError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, GROUP, T, D, N = 1, 2, 16, 16, 6  # tiny: the interpreter runs every program in Python
@@ -256,6 +257,105 @@ def test_copy_kernel_copies_nothing_for_a_pair_outside_the_pool():
     want = before.clone()
     want[2] = before[0]
     assert torch.equal(big, want)
+
+
+# ---------------------------------------------------------------------------------------------- metadata dtypes
+NOT_INTEGER = [torch.float32, torch.bool]  # truncated by .to(int64) or read as bytes: the wrong blocks, silently
+
+
+@pytest.mark.parametrize("dtype", NOT_INTEGER)
+def test_copy_blocks_refuses_pairs_that_are_not_integers(dtype):
+    """[[0.7, 1.2]] was truncated to 0 -> 1 (and [[False, True]] too): block 1 silently overwritten."""
+    pool = torch.arange(4 * 6, dtype=torch.float32, device=DEVICE).reshape(4, 6)
+    before = pool.clone()
+    pairs = (
+        torch.tensor([[0.7, 1.2]], device=DEVICE).to(dtype)
+        if dtype != torch.bool
+        else torch.tensor([[False, True]], device=DEVICE)
+    )
+    with pytest.raises(DTypeError, match=rf"pairs must be int32 or int64, got {dtype}"):
+        tk.copy_blocks(pool, pairs)
+    assert torch.equal(pool, before)
+
+
+def test_copy_blocks_refuses_a_destination_named_twice():
+    pool = torch.arange(5 * 6, dtype=torch.float32, device=DEVICE).reshape(5, 6)
+    before = pool.clone()
+    with pytest.raises(InvalidArgumentError, match=r"pairs\[0\] and pairs\[1\] both copy onto block 3"):
+        tk.copy_blocks(pool, torch.tensor([[0, 3], [1, 3]], device=DEVICE))
+    with pytest.raises(InvalidArgumentError, match="block 3 is both a source and a destination"):
+        tk.copy_blocks(pool, torch.tensor([[0, 3], [3, 4]], device=DEVICE))
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("dtype", NOT_INTEGER)
+@pytest.mark.parametrize("validate", [True, False])
+def test_write_refuses_a_slot_mapping_that_is_not_integers(dtype, validate):
+    big, pool = padded_pool(9)
+    before = big.clone()
+    key = torch.randn(2, H, D, device=DEVICE)
+    slots = torch.tensor([1, 0], device=DEVICE).to(dtype)
+    with pytest.raises(DTypeError, match=rf"slot_mapping must be int32 or int64, got {dtype}"):
+        tk.write_kv(key, key, slots, pool[:, 0], pool[:, 1], validate=validate)
+    assert torch.equal(big, before)
+
+
+def test_write_refuses_a_slot_named_twice_when_validating():
+    """Two tokens onto one slot: on a GPU which write wins is undefined. -1 (skip) may repeat."""
+    big, pool = padded_pool(10)
+    before = big.clone()
+    g = torch.Generator().manual_seed(10)
+    key = torch.randn(4, H, D, generator=g).to(DEVICE)
+    slots = torch.tensor([-1, 3, -1, 3], device=DEVICE)
+    with pytest.raises(InvalidArgumentError, match=r"slot_mapping\[1\] and slot_mapping\[3\] both name slot 3"):
+        tk.write_kv(key, key, slots, pool[:, 0], pool[:, 1], validate=True)
+    assert torch.equal(big, before)
+    codes = torch.zeros(N, 2, H, T, D, dtype=torch.int8, device=DEVICE)
+    scales = torch.zeros(N, 2, H, T, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(InvalidArgumentError, match="both name slot 3"):
+        tk.write_kv_int8(key, key, slots, codes[:, 0], codes[:, 1], scales[:, 0], scales[:, 1], validate=True)
+    assert not codes.any() and not scales.any()
+    tk.write_kv(key, key, torch.tensor([-1, 3, -1, 4], device=DEVICE), pool[:, 0], pool[:, 1], validate=True)
+    assert torch.equal(pool[0, 0, :, 3], key[1]) and torch.equal(pool[0, 0, :, 4], key[3])
+
+
+@pytest.mark.parametrize("dtype", NOT_INTEGER)
+@pytest.mark.parametrize("which", ["block_tables", "seq_lens", "query_lens"])
+def test_prefill_refuses_metadata_that_is_not_integers(dtype, which):
+    _, pool = padded_pool(11)
+    meta = {
+        "block_tables": torch.tensor([[0, 1]], device=DEVICE),
+        "seq_lens": torch.tensor([1], device=DEVICE),
+        "query_lens": torch.tensor([1], device=DEVICE),
+    }
+    meta[which] = meta[which].to(dtype)
+    q = torch.randn(1, H * GROUP, 2, D, device=DEVICE)
+    for validate in (True, False):
+        with pytest.raises(DTypeError, match=rf"{which} must be int32 or int64, got {dtype}"):
+            tk.paged_prefill_attention(q, pool[:, 0], pool[:, 1], **meta, validate=validate)
+
+
+@pytest.mark.parametrize("dtype", NOT_INTEGER)
+@pytest.mark.parametrize("which", ["block_tables", "seq_lens"])
+def test_decode_refuses_metadata_that_is_not_integers(dtype, which):
+    _, pool = padded_pool(12)
+    meta = {"block_tables": torch.tensor([[0, 1]], device=DEVICE), "seq_lens": torch.tensor([1], device=DEVICE)}
+    meta[which] = meta[which].to(dtype)
+    with pytest.raises(DTypeError, match=rf"{which} must be int32 or int64, got {dtype}"):
+        tk.paged_decode_attention(query(12), pool[:, 0], pool[:, 1], meta["block_tables"], meta["seq_lens"],
+                                  validate=False)  # fmt: skip
+    with pytest.raises(DTypeError, match=rf"{which} must be int32 or int64"):
+        check_tables(meta["block_tables"], meta["seq_lens"], N, T)
+
+
+@pytest.mark.parametrize("dtype", NOT_INTEGER)
+def test_kivi_refuses_a_staging_slot_map_that_is_not_integers(dtype):
+    blocks = random_kivi_blocks(13, 3, bits=4, group_size=16, kv_heads=H, block_size=T, head_dim=D, staged=(1,),
+                                device=DEVICE)  # fmt: skip
+    blocks.staging_slot = blocks.staging_slot.to(dtype)
+    tables, lens = torch.tensor([[0, 1]], device=DEVICE), torch.tensor([20], device=DEVICE)
+    with pytest.raises(DTypeError, match=rf"staging_slot must be int32 or int64, got {dtype}"):
+        paged_decode_attention_kivi_packed(query(13), blocks, tables, lens, validate=False)
 
 
 # ---------------------------------------------------------------------------------------------- device placement

@@ -16,7 +16,7 @@ except ImportError:  # pragma: no cover - triton is part of the dev install
     pytest.skip("triton is not installed (pip install 'memos-ref[kernels]')", allow_module_level=True)
 
 from memos_ref.attention import gather_kv, paged_attention
-from memos_ref.errors import ConfigError, DTypeError, ShapeError
+from memos_ref.errors import ConfigError, DTypeError, InvalidArgumentError, ShapeError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNEL_MODE = "triton" if DEVICE == "cuda" else "interpret"  # never interpret once Triton is imported compiled
@@ -95,7 +95,7 @@ def test_copy_blocks():
     before = pool.clone()
     tk.copy_blocks(pool, torch.tensor([[0, 3], [2, 5]], device=DEVICE))
     assert torch.equal(pool[3], before[0]) and torch.equal(pool[5], before[2]) and torch.equal(pool[1], before[1])
-    with pytest.raises(ConfigError, match="distinct"):
+    with pytest.raises(InvalidArgumentError, match="distinct"):
         tk.copy_blocks(pool, torch.tensor([[0, 3], [3, 4]], device=DEVICE))
 
 
