@@ -10,15 +10,18 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from memos_ref.errors import ConfigError, CorruptCacheError, ModelUnavailableError
+from memos_ref.errors import ConfigError, CorruptCacheError, ModelUnavailableError, StateError
 from memos_ref.model import fingerprint, load_model, shipped_model_dir
 from memos_ref.model import pretrained as pre
+from memos_ref.model.model_folder import folder_lock, lock_timeout, verify_folder
 
 GGUF_BYTES = b"GGUF-fake-model-" * 64  # 1 KiB standing in for the real 98 MB file
 
@@ -430,3 +433,133 @@ def test_a_cache_variable_pointing_at_a_file_is_a_config_error(fake, tmp_path, m
     with pytest.raises(ConfigError, match="MEMOS_REF_CACHE"):
         pre.pretrained_path(src.name, download=False)
     assert afile.read_text() == "x" and calls == []
+
+
+# ---------------------------------------------------------------------------------------------- H9 findings 9, 11
+HOLD = """import sys, time
+from pathlib import Path
+from memos_ref.model.model_folder import folder_lock
+with folder_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+@pytest.fixture
+def held_lock():
+    """Start a second process holding ``path``'s folder lock (for at most ``seconds``); yields the starter."""
+    procs: list[subprocess.Popen] = []
+
+    def start(path: Path, seconds: float = 60.0) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HOLD, str(path), str(seconds)], stdout=subprocess.PIPE, text=True
+        )
+        procs.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait(timeout=60)
+
+
+def test_a_lock_another_process_keeps_is_a_state_error_naming_it_and_its_holder(fake, monkeypatch, held_lock):
+    src, _, calls = fake
+    target = _target(src)
+    target.mkdir(parents=True)  # an empty (broken) folder: the call needs the lock to convert
+    lock = target.parent / ".lock"
+    holder = held_lock(lock, 60.0)  # the old code waited for it (here 60 s), then converted
+    monkeypatch.setenv("MEMOS_REF_LOCK_TIMEOUT", "0.5")
+    with pytest.raises(StateError) as info:
+        pre.pretrained_path(src.name, download=False)
+    assert str(lock) in str(info.value) and f"process {holder.pid}" in str(info.value)
+    assert calls == [] and list(target.iterdir()) == []  # nothing converted, nothing replaced
+    holder.kill()
+    holder.wait(timeout=60)  # a dead holder's lock is released: the next call converts
+    assert pre.pretrained_path(src.name, download=False) == target and len(calls) == 1
+
+
+def test_the_lock_wait_is_configurable_and_checked(tmp_path, monkeypatch, held_lock):
+    lock = tmp_path / ".lock"
+    with folder_lock(lock, timeout=0):  # free: taken at once, even with no wait allowed
+        pass
+    held_lock(lock)
+    with pytest.raises(StateError, match="held this lock"), folder_lock(lock, timeout=0.2):
+        pass
+    for bad in ["soon", "-1", "nan", "inf", "0"]:
+        monkeypatch.setenv("MEMOS_REF_LOCK_TIMEOUT", bad)
+        with pytest.raises(ConfigError, match="MEMOS_REF_LOCK_TIMEOUT"):
+            lock_timeout()
+    with pytest.raises(ConfigError, match="timeout"), folder_lock(lock, timeout=-1.0):
+        pass
+
+
+def test_a_manifest_naming_a_too_long_file_is_a_reason_not_an_oserror(fake):
+    src, _, calls = fake
+    path = pre.pretrained_path(src.name, download=False)
+    manifest = json.loads((path / "memos_manifest.json").read_text())
+    manifest["files"]["x" * 5000] = {"bytes": 1, "sha256": "0"}  # the old code: OSError ENAMETOOLONG
+    (path / "memos_manifest.json").write_text(json.dumps(manifest))
+    assert verify_folder(path, src.gguf_sha256) == "manifest names a file name of 5000 bytes, more than 255"
+    with pytest.warns(UserWarning, match="more than 255"):
+        assert pre.pretrained_path(src.name, download=False) == path
+    assert len(calls) == 2 and "x" * 5000 not in json.loads((path / "memos_manifest.json").read_text())["files"]
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    ["memos-ref-pretrained-v9999999", "memos-ref-pretrained-v" + "9" * 5000, "memos-ref-pretrained-v1.1"],
+    ids=["v9999999", "v9x5000", "v1.1"],
+)
+def test_any_larger_manifest_format_is_refused_and_never_deleted(fake, fmt):
+    src, _, calls = fake
+    path = pre.pretrained_path(src.name, download=False)
+    manifest = json.loads((path / "memos_manifest.json").read_text())
+    manifest["format"] = fmt  # the old code replaced (deleted) a format number of 7 digits or more, and v1.1
+    (path / "memos_manifest.json").write_text(json.dumps(manifest))
+    before = _snapshot(path)
+    with pytest.raises(ConfigError, match="newer") as info:
+        pre.pretrained_path(src.name, download=False)
+    assert len(str(info.value)) < 600  # the format is quoted, not pasted whole
+    assert _snapshot(path) == before and len(calls) == 1
+
+
+@pytest.mark.parametrize("fmt", ["memos-ref-pretrained-v0", "memos-ref-pretrained-vx", "another-format-v9"])
+def test_an_older_or_foreign_manifest_format_is_converted_again(fake, fmt):
+    src, _, calls = fake
+    path = pre.pretrained_path(src.name, download=False)
+    manifest = json.loads((path / "memos_manifest.json").read_text())
+    manifest["format"] = fmt
+    (path / "memos_manifest.json").write_text(json.dumps(manifest))
+    with pytest.warns(UserWarning, match="another format"):
+        assert pre.pretrained_path(src.name, download=False) == path
+    assert len(calls) == 2
+
+
+def _copied_model(folder: Path) -> Path:
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(shipped_model_dir() / name, folder / name)
+    return folder
+
+
+def test_load_model_from_an_incomplete_or_damaged_folder_is_a_package_error(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelUnavailableError, match=r"config\.json and model\.safetensors are not there"):
+        load_model(empty)  # the old code: a raw FileNotFoundError
+    no_weights = _copied_model(tmp_path / "no-weights")
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(ModelUnavailableError, match=r"model\.safetensors is not there"):
+        load_model(no_weights)
+    for name, content, error, pattern in [
+        ("config.json", b"{not json", ConfigError, "expected a JSON object, not JSON"),  # old: JSONDecodeError
+        ("config.json", b"[1, 2]", ConfigError, "expected a JSON object, got list"),  # old: AttributeError
+        ("model.safetensors", b"\x00" * 64, CorruptCacheError, "not a readable safetensors file"),  # old: raw
+    ]:
+        folder = _copied_model(tmp_path / f"bad-{name}-{len(content)}")
+        (folder / name).write_bytes(content)
+        with pytest.raises(error, match=pattern):
+            load_model(folder)
+    assert isinstance(load_model(_copied_model(tmp_path / "good")), torch.nn.Module)  # a complete copy loads

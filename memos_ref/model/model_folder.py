@@ -11,24 +11,28 @@ are untrusted: bounded before read, parsed without recursing past the interprete
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from memos_ref.errors import ConfigError, CorruptCacheError
+from memos_ref.errors import ConfigError, CorruptCacheError, StateError
 
 __all__ = [
+    "LOCK_TIMEOUT_S",
     "MANIFEST",
     "MANIFEST_FORMAT",
     "STAMP",
     "folder_lock",
+    "lock_timeout",
     "newer_format",
     "read_small_json",
     "refuse_foreign",
@@ -42,6 +46,11 @@ MANIFEST = "memos_manifest.json"
 STAMP = ".memos_verified"  # sizes, mtimes and inodes of the files as last fully verified
 MANIFEST_FORMAT = "memos-ref-pretrained-v1"
 CHUNK = 1 << 20
+#: Longest file name a manifest may list (bytes of UTF-8; the usual NAME_MAX of Linux and macOS file systems).
+MAX_NAME_BYTES = 255
+#: How long :func:`folder_lock` waits for another process's lock by default (a conversion takes about a minute on
+#: 2 slow cores); ``$MEMOS_REF_LOCK_TIMEOUT`` (seconds) overrides it.
+LOCK_TIMEOUT_S = 600.0
 
 
 def sha256_file(path: Path) -> str:
@@ -97,12 +106,19 @@ def _quick_ok(folder: Path, files: dict[str, Any]) -> bool:
 
 
 def newer_format(manifest: Any) -> str | None:
-    """The manifest's format when it names a later version of this one (written by a newer memos-ref)."""
+    """The manifest's format when it names a later version of this one (written by a newer memos-ref): this
+    format's name with a larger version number (of any length: ``v2``, ``v9999999``), or the same number with a
+    revision after it (``v1.1``, ``v1-beta``). Such a folder is refused, never replaced."""
     fmt = manifest.get("format") if isinstance(manifest, dict) else None
-    prefix = MANIFEST_FORMAT.rsplit("v", 1)[0] + "v"
-    number = fmt[len(prefix) :] if isinstance(fmt, str) and fmt.startswith(prefix) else ""
-    if number.isascii() and number.isdigit() and len(number) <= 6:
-        return fmt if int(number) > int(MANIFEST_FORMAT.rsplit("v", 1)[1]) else None
+    prefix, ours = MANIFEST_FORMAT.rsplit("v", 1)
+    if not isinstance(fmt, str) or not fmt.startswith(prefix + "v") or fmt == MANIFEST_FORMAT:
+        return None
+    match = re.match(r"[0-9]+", fmt[len(prefix) + 1 :])
+    if match is None:
+        return None
+    number = match.group(0).lstrip("0") or "0"  # compared as digit strings: no int() of a 60 KB number
+    if (len(number), number) > (len(ours), ours) or (number == ours and match.end() < len(fmt) - len(prefix) - 1):
+        return fmt
     return None
 
 
@@ -128,15 +144,24 @@ def verify_folder(folder: Path, source_sha256: str, *, full: bool = False) -> st
     for rel, meta in files.items():
         if not isinstance(rel, str) or "/" in rel or "\\" in rel or "\x00" in rel or rel.startswith("."):
             return f"manifest names an unsafe path {rel[:80]!r}"
+        if (size := len(rel.encode("utf-8", "surrogatepass"))) > MAX_NAME_BYTES:
+            return f"manifest names a file name of {size} bytes, more than {MAX_NAME_BYTES}"
         path = folder / rel
-        if path.is_symlink():
-            return f"{rel} is a symbolic link (a conversion holds regular files only)"
-        if not isinstance(meta, dict) or not path.is_file() or path.stat().st_size != meta.get("bytes"):
-            return f"{rel} is missing or has the wrong size"
+        try:
+            if path.is_symlink():
+                return f"{rel} is a symbolic link (a conversion holds regular files only)"
+            if not isinstance(meta, dict) or not path.is_file() or path.stat().st_size != meta.get("bytes"):
+                return f"{rel} is missing or has the wrong size"
+        except OSError as exc:  # a name the file system refuses, a file it cannot stat
+            return f"{rel[:80]!r} cannot be checked ({exc.strerror})"
     if not full and _quick_ok(folder, files):
         return None
     for rel, meta in files.items():
-        if sha256_file(folder / rel) != meta.get("sha256"):
+        try:
+            digest = sha256_file(folder / rel)
+        except OSError as exc:
+            return f"{rel} cannot be read ({exc.strerror})"
+        if digest != meta.get("sha256"):
             return f"{rel} fails its checksum"
     with contextlib.suppress(OSError):
         tmp = folder / f"{STAMP}.tmp"
@@ -145,21 +170,68 @@ def verify_folder(folder: Path, source_sha256: str, *, full: bool = False) -> st
     return None
 
 
+def lock_timeout() -> float:
+    """Seconds :func:`folder_lock` waits by default: ``$MEMOS_REF_LOCK_TIMEOUT`` when set (a finite number > 0,
+    else :class:`~memos_ref.errors.ConfigError`), else :data:`LOCK_TIMEOUT_S`."""
+    raw = os.environ.get("MEMOS_REF_LOCK_TIMEOUT")
+    if raw is None or raw == "":
+        return LOCK_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"$MEMOS_REF_LOCK_TIMEOUT: expected a number of seconds > 0, got {raw[:40]!r}")
+    return value
+
+
+def _holder(fh: Any) -> str:
+    """Who holds the lock, as its holder wrote it in the file (its process id), bounded; ``'unknown'`` else."""
+    try:
+        text = os.pread(fh.fileno(), 32, 0).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return "unknown"
+    return f"process {text}" if text.isdigit() else "unknown"
+
+
 @contextlib.contextmanager
-def folder_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` (two processes converting at once would waste a minute each). A lock path
-    that is not a regular file (a folder, a FIFO) or a cache that cannot be written is a
+def folder_lock(path: Path, timeout: float | None = None) -> Iterator[None]:
+    """An exclusive lock on ``path`` (two processes converting at once would waste a minute each), waited for at
+    most ``timeout`` seconds (default :func:`lock_timeout`, 600 s): a lock another process keeps longer (a stuck
+    or stopped conversion) is a :class:`~memos_ref.errors.StateError` naming the lock file and its holder's
+    process id. A lock path that is not a regular file (a folder, a FIFO) or a cache that cannot be written is a
     :class:`~memos_ref.errors.CorruptCacheError` naming it."""
+    import fcntl  # POSIX only: imported here so that the folder checks (and the model loader) import anywhere
+
+    timeout = lock_timeout() if timeout is None else timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 <= timeout < math.inf):
+        raise ConfigError(f"timeout: expected a finite number of seconds >= 0, got {timeout!r:.40}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.is_symlink() or (path.exists() and not path.is_file()):
             raise CorruptCacheError(f"{path}: expected the lock file, found something else; remove it")
-        fh = open(path, "a")  # noqa: SIM115 (closed below, after the unlock)
+        fh = open(path, "a+")  # noqa: SIM115 (closed below, after the unlock; read for the holder's id)
     except OSError as exc:
         raise CorruptCacheError(f"cannot create the lock {path}: {exc}") from None
     with fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+        deadline, pause = time.monotonic() + timeout, 0.01
+        while True:  # bounded by the deadline
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StateError(
+                        f"{path}: another process ({_holder(fh)}) has held this lock for more than {timeout:g} s "
+                        f"(a conversion takes about a minute); wait for it, stop it, or raise $MEMOS_REF_LOCK_TIMEOUT"
+                    ) from None
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.5)
         try:
+            with contextlib.suppress(OSError):  # who holds it, for the next waiter's message
+                os.truncate(fh.fileno(), 0)
+                os.pwrite(fh.fileno(), f"{os.getpid()}\n".encode(), 0)
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
@@ -184,7 +256,7 @@ def refuse_foreign(target: Path, why: str) -> None:
             newer = None
         if newer is not None:
             raise ConfigError(
-                f"{target} holds a conversion in manifest format {newer!r}, newer than this memos-ref reads "
+                f"{target} holds a conversion in manifest format {newer!r:.80}, newer than this memos-ref reads "
                 f"({MANIFEST_FORMAT!r}): upgrade memos-ref, or delete the folder to convert again; it was left as "
                 f"it is"
             )
