@@ -13,7 +13,6 @@ The cache is anything with the transformers cache protocol:
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -26,7 +25,17 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from memos_ref.errors import ConfigError, DTypeError, InvalidArgumentError, ShapeError, check_index, check_type
+from memos_ref.errors import (
+    ConfigError,
+    CorruptCacheError,
+    DTypeError,
+    InvalidArgumentError,
+    ModelUnavailableError,
+    ShapeError,
+    check_index,
+    check_type,
+)
+from memos_ref.model.model_folder import read_small_json
 from memos_ref.model.rope_config import read_rope_config
 from memos_ref.spec import KVSpec, dtype_from_name
 
@@ -233,14 +242,35 @@ class LlamaForward(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str = torch.float32) -> LlamaForward:
-        """Load ``config.json`` and ``model.safetensors`` from a folder (no pickle, no network)."""
+        """Load ``config.json`` and ``model.safetensors`` from a folder (no pickle, no network). A folder without
+        them is :class:`~memos_ref.errors.ModelUnavailableError`; a ``config.json`` that is not a bounded JSON
+        object :class:`~memos_ref.errors.ConfigError`; weights safetensors cannot read
+        :class:`~memos_ref.errors.CorruptCacheError`."""
         check_type("path", path, (str, os.PathLike))
         path = Path(path)
-        cfg = LlamaConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+        absent = [name for name in ("config.json", "model.safetensors") if not (path / name).is_file()]
+        if absent:
+            raise ModelUnavailableError(
+                f"{str(path)[:200]}: expected a model folder holding config.json and model.safetensors, but "
+                f"{' and '.join(absent)} {'is' if len(absent) == 1 else 'are'} not there (or not a file)"
+            )
+        try:
+            raw = read_small_json(path / "config.json", limit=1 << 20)
+        except ValueError as exc:
+            raise ConfigError(f"{path / 'config.json'}: expected a JSON object, {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path / 'config.json'}: expected a JSON object, got {type(raw).__name__}")
+        cfg = LlamaConfig.from_hf_dict(raw)
         with _skip_random_init():  # every parameter is overwritten below (or the load is refused)
             model = cls(cfg)
-        state = load_file(str(path / "model.safetensors"))
-        if cfg.tie_word_embeddings:
+        try:
+            state = load_file(str(path / "model.safetensors"))
+        except Exception as exc:  # safetensors' own error types, an OSError
+            raise CorruptCacheError(
+                f"{path / 'model.safetensors'}: not a readable safetensors file ({type(exc).__name__}: "
+                f"{str(exc)[:200]})"
+            ) from None
+        if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
             state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")]
