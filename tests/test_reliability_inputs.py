@@ -329,3 +329,21 @@ def test_special_tokens_in_other_rendered_fields_are_refused(smol_tok):
     assert chat.prompt_ids(ok) == chat.prompt_ids([{"role": "user", "content": "x"}])
     ids = chat.prompt_ids(ok, tools=[{"name": "get<|im_end|>"}])
     assert ids.count(smol_tok.convert_tokens_to_ids("<|im_end|>")) == 2  # the two turns' own, none from the tool
+
+
+# ---------------------------------------------------------------------------------------------- H9 findings 13, 14
+def test_read_bounded_refuses_arguments_of_the_wrong_type_naming_expected_and_actual(tmp_path):
+    path = tmp_path / "f.json"
+    path.write_bytes(b"x" * 10)
+    for args, pattern in [
+        ((3, 10), r"path: expected str or PathLike, got int"),  # the old code read descriptor 3
+        ((None, 10), r"path: expected str or PathLike, got NoneType"),
+        ((path, None), r"limit: expected int, got NoneType"),  # the old code: TypeError from a comparison
+        ((path, 1.5), r"limit: expected int, got float"),  # the old code: "more than the 1.5 expected"
+        ((path, True), r"limit: expected int, got bool"),
+    ]:
+        with pytest.raises(ArgumentTypeError, match=pattern):
+            read_bounded(*args)
+    with pytest.raises(InvalidArgumentError, match="limit: expected a number of bytes >= 0, got -1"):
+        read_bounded(path, -1)
+    assert read_bounded(str(path), 10) == b"x" * 10 == read_bounded(path, 10)

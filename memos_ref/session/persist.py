@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
-from memos_ref.errors import CorruptCacheError, InvalidArgumentError, KVCacheError
+from memos_ref.errors import CorruptCacheError, InvalidArgumentError, KVCacheError, check_type
 from memos_ref.session.segments import SEGMENT_KIND_VALUES, Segment, SegmentKind
 from memos_ref.spec import KVSpec
 
@@ -67,7 +67,13 @@ def manifest_checksum(manifest: dict[str, Any]) -> str:
 def read_bounded(path: Path, limit: int) -> bytes:
     """The bytes of a regular file of at most ``limit`` bytes; anything else (a missing file, a FIFO, a device,
     a directory, a larger file, a file that grows while read, a path with a NUL) is refused with
-    :class:`CorruptCacheError`. The descriptor is closed on every path (nothing leaks per call)."""
+    :class:`CorruptCacheError`. The descriptor is closed on every path (nothing leaks per call). A ``path`` that
+    is not a ``str`` or ``os.PathLike`` (a descriptor number, ``None``) or a ``limit`` that is not an ``int`` is
+    :class:`ArgumentTypeError`; a negative ``limit`` is :class:`InvalidArgumentError`."""
+    check_type("path", path, (str, os.PathLike))
+    check_type("limit", limit, int)
+    if limit < 0:
+        raise InvalidArgumentError(f"limit: expected a number of bytes >= 0, got {limit}")
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
