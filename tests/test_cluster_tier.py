@@ -197,3 +197,48 @@ def test_read_ahead_expires_and_is_bounded():
     assert ahead.missing(["c"]) == ["c"]  # taken
     now[0] = 6.0
     assert ahead.missing(["b", "d"]) == ["b", "d"]  # expired
+
+
+def test_put_over_a_planted_value_reports_false_and_writes_nothing(redis_cluster):
+    """A key holding other bytes (or another type) is not ours to overwrite: put is False, counted, and neither
+    key changes; our bytes under a disagreeing metadata are stored by making the metadata agree."""
+    b = backend(redis_cluster, "plantput")
+    v, m = b.prefix + "{p1}:v", b.prefix + "{p1}:m"
+    owner_node = node(redis_cluster, owner(redis_cluster, v))
+    owner_node.set(v, b"planted")  # a foreign value, no metadata
+    assert b.put_many({"p1": b"real", "fresh": b"new"}) == {"p1": False, "fresh": True}
+    assert b.counts["put_conflicts"] == 1 and b.counts["dropped_puts"] == 1 and b.counts["puts"] == 1
+    assert owner_node.get(v) == b"planted" and owner_node.exists(m) == 0  # no metadata written for foreign bytes
+    assert b.get("p1") is None and b.get("fresh") == b"new"
+    lv = b.prefix + "{p2}:v"
+    node(redis_cluster, owner(redis_cluster, lv)).rpush(lv, b"a list")  # another type
+    assert b.put("p2", b"real") is False and b.counts["put_conflicts"] == 2
+    assert node(redis_cluster, owner(redis_cluster, lv)).exists(b.prefix + "{p2}:m") == 0
+    v3, m3 = b.prefix + "{p3}:v", b.prefix + "{p3}:m"
+    n3 = node(redis_cluster, owner(redis_cluster, v3))
+    n3.set(v3, b"ours")
+    n3.set(m3, b"4:" + b"0" * 32)  # our bytes, metadata that disagrees
+    assert b.put("p3", b"ours") is True and b.get("p3") == b"ours"  # the metadata now agrees with the bytes
+    b.clear()
+    for key in (v, lv):
+        node(redis_cluster, owner(redis_cluster, key)).delete(key)
+
+
+def test_an_untrusted_usage_counter_refuses_every_write(redis_cluster):
+    """The tenant budget fails closed: a planted negative, fractional, signed, spaced, overlong or other-type
+    counter refuses the write (counted budget_untrusted); a counter in the form INCRBY writes is honoured."""
+    b = backend(redis_cluster, "plantbudget", tenant_budget_bytes=10_000)
+    usage = node(redis_cluster, owner(redis_cluster, b._usage_key))
+    planted = [b"-1000000", b"12.5", b"+5", b" 5", b"1_000", b"9" * 25, b"\xff"]
+    for i, value in enumerate(planted):
+        usage.set(b._usage_key, value)
+        assert b.put(f"u{i}", b"z" * 2000) is False, value
+        assert b.counts["budget_untrusted"] == i + 1 and b.get(f"u{i}") is None
+    usage.delete(b._usage_key)
+    usage.rpush(b._usage_key, b"1")
+    assert b.put("ul", b"z" * 2000) is False and b.counts["budget_untrusted"] == len(planted) + 1
+    usage.delete(b._usage_key)
+    usage.set(b._usage_key, b"9000")  # trusted: 9000 + 2000 > 10,000 refused, 9000 + 1000 fits
+    assert b.put("big", b"z" * 2000) is False and b.counts["budget_refused"] == len(planted) + 2
+    assert b.put("fits", b"z" * 1000) is True and b.nbytes == 10_000
+    b.clear()

@@ -20,7 +20,8 @@ into the caller: ``MOVED``/``ASK`` (retried once through the cluster client afte
 
 Budget: ``tenant_budget_bytes`` caps this tenant's live bytes by a per-tenant counter (``INCRBY`` on each new block,
 expiring with ``ttl``): a write past it is dropped and counted ``budget_refused``. Conservative (an evicted block
-counts until the counter expires) and not atomic across writers. ``ttl`` expires blocks; ``maxmemory-policy`` evicts.
+counts until the counter expires) and not atomic across writers; a counter that cannot be trusted (negative, not an
+integer) refuses every write, counted ``budget_untrusted``. ``ttl`` expires blocks; ``maxmemory-policy`` evicts.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from memos_ref.errors import ArgumentTypeError, BackendUnavailableError, ConfigE
 from memos_ref.resilient import DEFAULT_TIMEOUT_S, check_seconds, error_kind, ttl_to_px, validate_ttl
 from memos_ref.tiering.backends import TierBackend, validate_block_key
 from memos_ref.tiering.cluster_readahead import ReadAhead
+from memos_ref.tiering.cluster_write import PUT_NEW, PUT_REFUSED, PUT_SAME, PUT_SCRIPT, USAGE_READ_BYTES, parse_usage
 
 __all__ = ["ClusterTierBackend"]
 
@@ -358,12 +360,12 @@ class ClusterTierBackend(TierBackend):
 
     # ------------------------------------------------------------------ writes
     def put(self, key: str, data: bytes) -> bool:
-        return self.put_many({key: data})[key]
+        return self.put_many({key: data})[key]  # True only where the key now holds these bytes
 
     def put_many(self, items: Mapping[str, bytes]) -> dict[str, bool]:
-        """Store blocks (one pipelined round per node): ``SET NX`` of the value and its metadata. A block already
-        stored counts as stored (same key, same bytes). Dropped and counted: too large, over the tenant budget,
-        or refused by the node (OOM, a failover, a dead or hung node)."""
+        """Store blocks, one pipelined round per node of atomic scripts (value ``SET NX`` + metadata: see
+        :mod:`~memos_ref.tiering.cluster_write`); True only where the key now holds these bytes. Dropped and counted:
+        too large, over the budget, a key holding other bytes (``put_conflicts``), refused by the node (OOM, …)."""
         check_type("items", items, Mapping)
         ok = dict.fromkeys(items, False)
         todo = []
@@ -378,22 +380,21 @@ class ClusterTierBackend(TierBackend):
             self.counts["budget_refused"] += len(todo)
             todo = []
         self._refresh()
-        new_bytes = 0
+        new_bytes, px = 0, self._px or 0
         for node, group in self._by_node(todo).items():
 
             def build(pipe: Any, group: list = group) -> None:
                 for key, data in group:
-                    pipe.set(self._mk(key), f"{len(data)}:{_digest(data)}", px=self._px)
-                    pipe.set(self._vk(key), data, px=self._px, nx=True)
+                    pipe.eval(PUT_SCRIPT, 2, self._vk(key), self._mk(key), data, f"{len(data)}:{_digest(data)}", px)
 
             replies = self._node_pipeline(node, build)
             self.node_counts[node]["writes"] += len(group)
-            for i, (key, data) in enumerate(group if replies is not None else []):
-                failed = [r for r in replies[2 * i : 2 * i + 2] if isinstance(r, Exception)]
-                for r in failed[:1]:
-                    self._count(node, r)
-                ok[key] = not failed
-                new_bytes += len(data) if replies[2 * i + 1] is True else 0
+            for (key, data), reply in zip(group, replies or [], strict=False):
+                self.counts["put_conflicts"] += reply == PUT_REFUSED  # other bytes under this key: nothing written
+                if isinstance(reply, Exception):
+                    self._count(node, reply)
+                ok[key] = reply in (PUT_NEW, PUT_SAME)
+                new_bytes += len(data) if reply == PUT_NEW else 0
         if new_bytes and self.tenant_budget_bytes is not None:
             self._guarded(self._charge(new_bytes), None)
         self.forget_read_ahead(ok)
@@ -407,14 +408,17 @@ class ClusterTierBackend(TierBackend):
         self._ahead.forget(keys)
 
     def _within_budget(self, size: int) -> bool:
+        """Whether ``size`` more bytes fit the budget; fails closed on an unreadable or untrusted counter."""
         if self.tenant_budget_bytes is None:
             return True
-        used = self._guarded(lambda: self.client.get(self._usage_key), None)
-        try:
-            used_bytes = int(used or 0)
-        except ValueError:
-            used_bytes = 0
-        return used_bytes + size <= self.tenant_budget_bytes
+        used = self._usage()
+        if used is None:
+            self.counts["budget_untrusted"] += 1
+        return used is not None and used + size <= self.tenant_budget_bytes
+
+    def _usage(self) -> int | None:
+        """The usage counter, read bounded: its value, 0 when absent, None when unreadable or untrusted."""
+        return parse_usage(self._guarded(lambda: self.client.getrange(self._usage_key, 0, USAGE_READ_BYTES - 1), None))
 
     def _charge(self, size: int) -> Callable[[], None]:
         def charge() -> None:
@@ -444,12 +448,8 @@ class ClusterTierBackend(TierBackend):
 
     @property
     def nbytes(self) -> int:
-        """Bytes this tenant has written that are still counted (the budget counter)."""
-        used = self._guarded(lambda: self.client.get(self._usage_key), None)
-        try:
-            return int(used or 0)
-        except ValueError:
-            return 0
+        """Bytes this tenant has written that are still counted (the budget counter; 0 when untrusted)."""
+        return self._usage() or 0
 
     def clear(self) -> None:
         """Remove this namespace's blocks and its usage counter (SCAN + UNLINK; never FLUSHALL)."""
