@@ -178,7 +178,7 @@ SLOW_FILES = {
     "test_packaging.py",
     "test_readme_snippets.py",
 }
-# Per-test timeouts above the 300 s default, for tests that legitimately wait on a subprocess with a longer
+# Per-test timeouts above the 600 s default, for tests that legitimately wait on a subprocess with a longer
 # timeout of its own (a wheel build, a benchmark, the AOT compile check): "file::name" prefix -> seconds.
 LONG_TESTS = {
     "test_packaging.py::test_wheel_holds_every_source_module_and_the_model": 900,  # builds the wheel (fixture)
@@ -189,7 +189,7 @@ LONG_TESTS = {
     "test_kernels.py::test_every_kernel_compiles_for_a_real_gpu_without_spills": 1200,
     "test_architecture.py::test_the_layer_contract_holds": 900,  # lint-imports over every module, uncached
 }
-DEFAULT_TIMEOUT_S = 300
+DEFAULT_TIMEOUT_S = 600
 
 
 def _starts_a_server(item: pytest.Item) -> bool:
