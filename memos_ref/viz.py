@@ -146,9 +146,12 @@ def draw(
     return ax
 
 
-def draw_steps(snapshots: list[PoolSnapshot], columns: int | None = None, per_row: int = 2) -> Any:
+def draw_steps(
+    snapshots: list[PoolSnapshot], columns: int | None = None, per_row: int = 2, *, cell_inches: float = 0.28
+) -> Any:
     """Every snapshot of a trace in one static figure (small multiples, one shared legend, the same colour for a
-    sequence in every panel); returns the figure. This is the picture that survives a headless run."""
+    sequence in every panel); returns the figure. This is the picture that survives a headless run.
+    ``cell_inches`` is one block's side: raise it (and lower ``per_row``) for a figure read at book width."""
     import matplotlib.pyplot as plt
 
     if not snapshots:
@@ -162,7 +165,11 @@ def draw_steps(snapshots: list[PoolSnapshot], columns: int | None = None, per_ro
     rows = math.ceil(n / cols)
     width = columns or min(len(snapshots[0].states), 16)
     height = math.ceil(len(snapshots[0].states) / width)
-    size = (cols * (width * 0.28 + 0.4), rows * (height * 0.28 + 0.6))
+    if not 0.05 <= cell_inches <= 2.0:
+        from memos_ref.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"cell_inches={cell_inches!r}: expected 0.05..2.0 (inches per block)")
+    size = (cols * (width * cell_inches + 0.4), rows * (height * cell_inches + 0.6))
     fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False)
     for ax, snap in zip(axes.flat, snapshots):
         draw(snap, ax=ax, columns=columns, legend=False, colours=colours)

@@ -92,6 +92,18 @@ def test_draw_steps_is_static_with_one_panel_per_snapshot_and_one_legend():
         draw_steps([])
 
 
+def test_draw_steps_cell_inches_sets_the_block_size_for_book_width():
+    """One block is cell_inches wide: 12 blocks in 12 columns, one panel per row, plus the 0.4-inch margin."""
+    kv = _forked_pool()
+    steps = [snapshot(kv, f"step {i}") for i in range(3)]
+    fig = draw_steps(steps, columns=12, per_row=1, cell_inches=0.5)
+    assert tuple(fig.get_size_inches()) == (12 * 0.5 + 0.4, 3 * (1 * 0.5 + 0.6))
+    assert tuple(draw_steps(steps, columns=12, per_row=1).get_size_inches()) == (12 * 0.28 + 0.4, 3 * (0.28 + 0.6))
+    for bad in (0.0, 5.0):
+        with pytest.raises(InvalidArgumentError):
+            draw_steps(steps, cell_inches=bad)
+
+
 # ------------------------------------------------------------------ the three concept diagrams, from real structures
 def _arrows(ax):
     return [c for c in ax.get_children() if type(c).__name__ == "Annotation" and c.arrow_patch is not None]
