@@ -325,7 +325,9 @@ def pretrained_path(name: str = "smollm2-135m-instruct", *, download: bool = Tru
     A folder that fails verification is kept until its replacement is converted and verified: with no source
     to rebuild it (offline), :class:`~memos_ref.errors.ModelUnavailableError` says why it failed and that it was
     kept. A folder in a newer manifest format (:class:`~memos_ref.errors.ConfigError`), a symbolic link or a
-    file in its place (:class:`~memos_ref.errors.CorruptCacheError`) are refused and never deleted."""
+    file in its place (:class:`~memos_ref.errors.CorruptCacheError`) are refused and never deleted. Waiting for
+    another process's conversion (its lock on the cache) is bounded: after ``$MEMOS_REF_LOCK_TIMEOUT`` seconds
+    (600 by default) a :class:`~memos_ref.errors.StateError` names the lock file and its holder."""
     check_type("verify", verify, bool)
     check_type("download", download, bool)
     src = _source(name)
