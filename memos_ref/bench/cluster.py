@@ -25,15 +25,14 @@ from collections import Counter
 from statistics import median
 from typing import Any
 
-from memos_ref.bench.common import envelope, format_table
+__all__ = ["ServeProcess", "human", "plot", "render_markdown", "run", "serve_role"]  # torch is imported lazily
 
-__all__ = ["human", "plot", "render_markdown", "run", "serve_role"]
+SYSTEM_LINE = "You are a careful agent. Tools: search(query), read(url), write(path, text). Answer briefly. "
+SYSTEM = SYSTEM_LINE * 6  # ~580 tokens: the bench's and the tests' shared system prompt
 
-SYSTEM = "You are a careful agent. Tools: search(query), read(url), write(path, text). Answer briefly. " * 6
 
-
-def _prompt(tail: str, tok: Any) -> list[int]:
-    return [tok.bos_id, *tok.encode(SYSTEM + tail)]
+def _prompt(tail: str, tok: Any, repeat: int = 6) -> list[int]:
+    return [tok.bos_id, *tok.encode(SYSTEM_LINE * repeat + tail)]
 
 
 _MODEL: dict[str, Any] = {}  # the shipped model, loaded once per process
@@ -68,13 +67,15 @@ def _serve(engine: Any, prompt: list[int], new: int) -> dict[str, Any]:
     return {"output": req.output, "reused": s.reused_tokens, "computed": s.computed_tokens, "ttft_s": s.ttft_s}
 
 
-def serve_role(role: str, url: str, namespace: str, tail: str, new: int) -> dict[str, Any]:
-    """One process's part (run in a fresh interpreter by :func:`_spawn`):
+def serve_role(role: str, url: str, namespace: str, tail: str, new: int, repeat: int = 6) -> dict[str, Any]:
+    """One process's part (run in a fresh interpreter by :class:`ServeProcess`):
 
     * ``serve``: warm up, serve ``SYSTEM + tail`` through the cluster tier (publishing what it prefills), then the
       same prompt on a fresh pool without a tier (the single-process recompute reference).
     * ``prefill``: prefill ``SYSTEM + tail`` (one token), publish its blocks and manifest.
     * ``decode``: read the manifest, adopt the blocks, decode ``new`` tokens; then the single-process reference.
+
+    The system prompt is ``SYSTEM_LINE * repeat`` (6: ~580 tokens; the notebook uses 3).
     """
     from memos_ref.model.tokenizer import ByteTokenizer
     from memos_ref.tiering.cluster_manifest import (
@@ -86,7 +87,7 @@ def serve_role(role: str, url: str, namespace: str, tail: str, new: int) -> dict
     )
 
     tok = ByteTokenizer()
-    prompt = _prompt(tail, tok)
+    prompt = _prompt(tail, tok, repeat)
     _, kv, backend, engine, spec, fp = _stack(url, namespace)
     check_disaggregable(kv)
     _serve(engine, [tok.bos_id, *tok.encode("warm up " * 20)], 1)  # warm the forward (not published: no tail)
@@ -121,29 +122,84 @@ def serve_role(role: str, url: str, namespace: str, tail: str, new: int) -> dict
     return out
 
 
+def load_shared_model() -> None:
+    """Load the shipped model into this process's cache (what :class:`ServeProcess` does while it waits)."""
+    from memos_ref.model import load_model
+
+    _MODEL.get("shipped") or _MODEL.setdefault("shipped", load_model())
+
+
+class ServeProcess:
+    """A fresh OS process for :func:`serve_role`, started now: it imports the package and loads the model at once
+    (overlapping whatever this process does meanwhile), then waits for its role on stdin. :meth:`serve` sends it
+    and returns the JSON result; the process has exited by then (killed on a timeout or a failure)."""
+
+    _CODE = (
+        "import json, sys; from memos_ref.bench.cluster import load_shared_model, serve_role; load_shared_model(); "
+        "args = json.loads(sys.stdin.readline()); print(json.dumps(serve_role(*args)))"
+    )
+
+    def __init__(self, timeout: float = 300) -> None:
+        self.timeout = timeout
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", self._CODE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def serve(self, role: str, url: str, namespace: str, tail: str, new: int, repeat: int = 6) -> dict[str, Any]:
+        """Run ``serve_role(role, url, namespace, tail, new, repeat)`` in the process; its result."""
+        args = json.dumps([role, url, namespace, tail, new, repeat])
+        try:
+            out, err = self.process.communicate(args + "\n", self.timeout)
+        except subprocess.TimeoutExpired:
+            self.close()
+            raise RuntimeError(f"{role} process did not finish within {self.timeout} s") from None
+        if self.process.returncode != 0:
+            raise RuntimeError(f"{role} process failed: {err[-2000:]}")
+        return json.loads(out.strip().splitlines()[-1])
+
+    def close(self) -> None:
+        """End the process if it still runs (a notebook or bench that failed before :meth:`serve`)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
+
+
 def _spawn(role: str, url: str, namespace: str, tail: str, new: int, timeout: float = 300) -> dict[str, Any]:
     """Run :func:`serve_role` in a separate OS process; its JSON result."""
-    code = (
-        "import json, sys; from memos_ref.bench.cluster import serve_role; "
-        "print(json.dumps(serve_role(*sys.argv[1:5], int(sys.argv[5]))))"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code, role, url, namespace, tail, str(new)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"{role} process failed: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return ServeProcess(timeout).serve(role, url, namespace, tail, new)
 
 
-def cross_process(url: str, namespace: str, new: int = 8) -> dict[str, Any]:
-    """A then B, two OS processes sharing the cluster tier (see the module docstring)."""
-    a = _spawn("serve", url, namespace, " User A: plan a trip.", new)
-    b = _spawn("serve", url, namespace, " User B: summarise a paper.", new)
+def cross_process(
+    url: str,
+    namespace: str,
+    new: int = 8,
+    *,
+    a_here: bool = False,
+    b_process: ServeProcess | None = None,
+    repeat: int = 6,
+) -> dict[str, Any]:
+    """A then B, two OS processes sharing the cluster tier (see the module docstring). ``a_here``: A is this
+    process (one interpreter fewer, as the notebook does); ``b_process``: B's process, started earlier (else now);
+    ``repeat``: the system prompt's length in :data:`SYSTEM_LINE` s."""
+    tail_a, b_process = " User A: plan a trip.", b_process or ServeProcess()  # B loads while A serves
+    try:
+        if a_here:
+            a = serve_role("serve", url, namespace, tail_a, new, repeat)
+        else:
+            a = ServeProcess().serve("serve", url, namespace, tail_a, new, repeat)
+        b = b_process.serve("serve", url, namespace, " User B: summarise a paper.", new, repeat)
+    finally:
+        b_process.close()
     return {
         "a": a,
         "b": b,
@@ -158,9 +214,14 @@ def cross_process(url: str, namespace: str, new: int = 8) -> dict[str, Any]:
 
 
 def disaggregated(url: str, namespace: str, new: int = 8) -> dict[str, Any]:
-    """A prefill process and a decode process (see the module docstring)."""
-    p = _spawn("prefill", url, namespace, " User C: write a haiku.", 1)
-    d = _spawn("decode", url, namespace, " User C: write a haiku.", new)
+    """A prefill process and a decode process (see the module docstring); the decode process starts with the
+    prefill one (its imports and model load overlap), and gets its prompt once the prefill one has published."""
+    decode = ServeProcess()  # loads while the prefill process runs; decodes after it has published
+    try:
+        p = _spawn("prefill", url, namespace, " User C: write a haiku.", 1)
+        d = decode.serve("decode", url, namespace, " User C: write a haiku.", new)
+    finally:
+        decode.close()
     return {
         "prefill": p,
         "decode": d,
@@ -308,6 +369,8 @@ def run(quick: bool = False, progress: bool = False) -> dict[str, Any]:
         {"part": "failover", **fo},
     ]
     config = {"quick": quick, "masters": 3, "replicas": 1, "node_timeout_ms": 1000, "block_size": 16}
+    from memos_ref.bench.common import envelope
+
     return envelope("cluster", config, results, summary)
 
 
@@ -326,6 +389,8 @@ def render_markdown(result: dict[str, Any]) -> str:
 
 def human(report: dict[str, Any]) -> str:
     s = report["summary"]
+    from memos_ref.bench.common import format_table
+
     return format_table([{"figure": k, "value": v} for k, v in s.items()], ["figure", "value"])
 
 
