@@ -44,7 +44,7 @@ AREAS: dict[str, tuple[list[str], list[str]]] = {
          "tests/test_mutation_paged.py"],
     ),
     "attention": (
-        ["memos_ref/attention.py", "memos_ref/attention/*.py"],
+        ["memos_ref/attention.py", "memos_ref/attention_*.py"],
         ["tests/test_attention*.py", "tests/test_mutation_attention.py"],
     ),
     "quant": (
