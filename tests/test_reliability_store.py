@@ -384,19 +384,21 @@ def test_disk_lock_file_that_is_a_fifo_is_refused(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == [".lock"]
 
 
-def test_disk_file_resized_outside_is_dropped_and_the_budget_holds(tmp_path):
-    """A block file whose size differs from the books (edited by someone else) is a corrupt miss and removed:
-    the books and the bytes on disk agree and stay within budget (before: served, books 3000, disk 4500)."""
+def test_disk_file_resized_outside_updates_the_books_and_the_budget_holds(tmp_path):
+    """A block file whose size differs from the books (replaced by someone else): the books take its real size and
+    evict the least recently used others until the budget holds (before: books 3000, on disk 4500, budget 3000);
+    one larger than the whole budget is dropped as corrupt."""
     root = tmp_path / "kv"
-    backend = DiskBackend(root, 3000)
+    backend = DiskBackend(root, 3000, max_item_bytes=5000)
     for key in ("aa", "bb", "cc"):
         assert backend.put(key, b"a" * 1000)
     (root / "bb" / "bb.kvb").write_bytes(b"B" * 2500)
-    assert backend.get("bb") is None
-    assert backend.counts["corrupt"] == 1
-    assert backend.keys() == ["aa", "cc"]
-    assert backend.nbytes == _disk_bytes(root) == 2000
-    assert backend.get("aa") == b"a" * 1000  # the others are untouched
+    assert backend.get("bb") == b"B" * 2500  # the bytes are served: whether they are a block is the caller's check
+    assert backend.keys() == ["bb"] and backend.counts["resized"] == 1 and backend.counts["evictions"] == 2
+    assert backend.nbytes == _disk_bytes(root) == 2500
+    (root / "bb" / "bb.kvb").write_bytes(b"C" * 4000)  # within max_item_bytes, over the budget: never fits
+    assert backend.get("bb") is None and backend.counts["corrupt"] == 1
+    assert backend.keys() == [] and backend.nbytes == _disk_bytes(root) == 0
 
 
 # ====================================================================== item 9: re-entrant update

@@ -388,17 +388,26 @@ class DiskBackend(BudgetLRU):
                 return None
             data = self._lookup(key)
             if data is not None and len(data) != self._sizes.get(key):
-                # not the file this root's books wrote (edited outside): serving it would leave the books, and
-                # so the budget, wrong — drop it as corrupt
-                self._drop(key)
-                self.counts["corrupt"] += 1
-                data = None
+                data = self._resized(key, data)
             if data is None:
                 self.counts["misses"] += 1
                 return None
             self._sizes.touch(key)
             self.counts["hits"] += 1
             return data
+
+    def _resized(self, key: str, data: bytes) -> bytes | None:
+        """A file whose size is not the one the books recorded (replaced outside this process): the books take
+        its real size and evict others until the budget holds again (counted ``resized``); a file that could
+        never fit the budget is dropped as ``corrupt``. Whether the bytes are a block is the caller's check."""
+        self.counts["resized"] += 1
+        if len(data) > self.budget_bytes:
+            self._drop(key)
+            self.counts["corrupt"] += 1
+            return None
+        self._sizes.put(key, len(data))
+        self._make_room(0, keep=key)
+        return data
 
     def _drop(self, key: str) -> None:
         self._sizes.pop(key)
