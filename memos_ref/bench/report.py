@@ -258,11 +258,18 @@ def record_notebooks(
     return out
 
 
+#: Records in ``results/`` that are not benchmark envelopes (written by their own tools, rendered by none here)
+NOT_BENCHMARKS = frozenset({"mutation"})  # scripts/mutation.py: mutation scores per module
+
+
 def load_results(root: Path | None = None) -> dict[str, Report]:
-    """Every ``results/*.json``, keyed by file stem; each is bounded in size and must be a benchmark envelope."""
+    """Every ``results/*.json`` but :data:`NOT_BENCHMARKS`, keyed by file stem; each is bounded in size and must
+    be a benchmark envelope."""
     folder = (root or _root()) / "results"
     out: dict[str, Report] = {}
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        if path.stem in NOT_BENCHMARKS:
+            continue
         if path.is_symlink() or path.stat().st_size > _MAX_RESULT_BYTES:
             raise CorruptCacheError(f"{path}: expected a regular file of at most {_MAX_RESULT_BYTES} bytes")
         data = json.loads(path.read_text())
