@@ -47,13 +47,14 @@ from memos_ref.errors import (
     DeviceError,
     DTypeError,
     InvalidArgumentError,
-    LayerIndexError,
+    KVCacheError,
     OutOfBlocksError,
     ShapeError,
     StagingFullError,
     StateError,
     UnsupportedModelError,
     UseAfterFreeError,
+    check_layer_index,
     check_type,
 )
 from memos_ref.paged.pool import gather_blocks
@@ -622,9 +623,34 @@ class PagedCache(Cache):
         """Store this step's K/V ``[B, H, n, D]`` of one layer in every row (all rows or none); returns the step."""
         self._check_live()
         self._check(key, value)
+        had_rows = bool(self.sequences)
         step = self._step_for(layer, key.shape[0], key.shape[2])
-        attention.write_step(step, layer, key, value)
+        try:
+            attention.write_step(step, layer, key, value)
+        except Exception as exc:
+            self._abandon(step, had_rows)
+            if isinstance(exc, KVCacheError) and not isinstance(exc, InvalidArgumentError):
+                raise
+            # a slot the storage does not hold (allocator and pool apart), refused or raw
+            pool, alloc = self.kv.pool, self.kv.allocator
+            raise StateError(
+                f"writing layer {layer} failed: the pool holds {pool.num_blocks} blocks and the allocator "
+                f"{alloc.num_blocks} ({exc}); the step's blocks were given back"
+            ) from exc
         return step
+
+    def _abandon(self, step: StepBatch, had_rows: bool) -> None:
+        """Give back what a failed step reserved: every row back to where the step started (rows made by this
+        step are freed and dropped)."""
+        self._step = None
+        fresh = not had_rows
+        for seq, start in zip(step.sequences, step.starts):
+            if fresh:
+                seq.free()
+            else:
+                seq.rollback_step(min(start, *seq.layer_tokens))
+        if fresh:
+            self.sequences = []
 
     def _ensure_staging(self, rows: list[Any], n: int) -> None:
         """Raise :class:`StagingFullError` before any row is written unless a quantized pool with a residual
@@ -718,9 +744,7 @@ class PagedCache(Cache):
     ) -> tuple[Any, Any]:
         """Store the new K/V ``[B, H_kv, S_new, D]`` of layer ``layer_idx``; return all of that layer's K/V (or a
         :class:`PagedView` with ``direct=True``). A rejected call leaves the cache and the pool unchanged."""
-        check_type("layer_idx", layer_idx, int)
-        if not 0 <= layer_idx < len(self.layers):
-            raise LayerIndexError(f"layer_idx {layer_idx} is not in [0, {len(self.layers)})")
+        layer_idx = check_layer_index(layer_idx, len(self.layers), "layer_idx")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[Any, Any]:
@@ -824,15 +848,16 @@ def _gather_step(step: StepBatch, layer: int) -> tuple[torch.Tensor, torch.Tenso
     row's own blocks straight into the result (a plain single-segment pool), else a gather per row (dequantized)
     and a stack."""
     pool, seqs, n = step.pool, step.sequences, step.lens[0]
-    if len(pool.segments) != 1 or pool.quantized or len(set(step.lens)) > 1:
+    segs = pool.segments  # one snapshot: a growing pool publishes a new tuple
+    if len(segs) != 1 or pool.quantized or len(set(step.lens)) > 1:
         dense = [seq.to_dense(layer) for seq in seqs]
         if len(dense) == 1:
             return dense[0][0].unsqueeze(0), dense[0][1].unsqueeze(0)
         return torch.stack([k for k, _ in dense]), torch.stack([v for _, v in dense])
     spec = pool.spec
     t, nb = spec.block_size, -(-n // spec.block_size)
-    out = pool.segments[0].new_empty((len(seqs), 2, spec.num_kv_heads, nb, t, spec.head_dim))
-    view = pool.segments[0][:, layer]  # [N, 2, H, T, D]
+    out = segs[0].new_empty((len(seqs), 2, spec.num_kv_heads, nb, t, spec.head_dim))
+    view = segs[0][:, layer]  # [N, 2, H, T, D]
     for i, table in enumerate(step.tables):
         gather_blocks(view, table[:nb], out[i])  # [2, H, nb, T, D]
     kv = out.view(len(seqs), 2, spec.num_kv_heads, nb * t, spec.head_dim)[:, :, :, :n]

@@ -173,6 +173,7 @@ def test_allocator_counts_read_during_a_growth_are_consistent():
     def read() -> None:
         seen.append((a.num_active, a.num_available))
 
+    kv.pool.grow(4)  # the storage first, as PagedKV.grow does (the allocator cannot outgrow it); its half is stepped
     stepper = LineStepper(lambda: a.grow(4), "memos_ref/paged/allocator.py")
     for _ in stepper.pauses():
         reader = threading.Thread(target=read, daemon=True)

@@ -17,6 +17,7 @@ from memos_ref.errors import (
     LayerIndexError,
     OutOfBlocksError,
     ShapeError,
+    StateError,
     UseAfterFreeError,
 )
 from memos_ref.hf import PagedCache
@@ -306,7 +307,7 @@ def test_wrong_argument_types_raise_the_package_errors(shipped_pair):
         (
             lambda: PagedCache(kv).update(torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 32), 9),
             LayerIndexError,
-            r"not in \[0, 4\)",
+            r"layer_idx 9 is out of range: expected a layer index in \[0, 4\)",
         ),
         (lambda: PagedCache(kv).crop(-1.5), ArgumentTypeError, "tokens_to_remove: expected int, got float"),
     ]
@@ -315,6 +316,31 @@ def test_wrong_argument_types_raise_the_package_errors(shipped_pair):
             call()
     assert kv.allocator.num_active == 0 and not kv.sequences
     kv.check()
+
+
+@pytest.mark.parametrize("had_tokens", [0, 4])
+def test_a_write_past_the_pool_is_a_package_error_and_gives_back_the_step(had_tokens):
+    """An allocator that holds more blocks than its pool (the pool's last segment dropped behind its back) hands
+    out ids with no memory: update refuses with a package error and keeps none of the step's blocks (it raised a
+    raw IndexError and kept them)."""
+    spec = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, block_size=8)
+    kv = PagedKV(spec, 2, prefix_caching=False)
+    kv.pool.shrink(kv.grow(2))  # allocator 4 blocks, pool 2
+    cache = PagedCache(kv)
+    if had_tokens:
+        k0 = torch.ones(1, 1, had_tokens, 4)
+        for layer in range(2):
+            cache.update(k0, k0, layer)
+    before = (kv.allocator.num_active, [s.block_table[:] for s in cache.sequences], cache.get_seq_length())
+    k = torch.arange(80.0).reshape(1, 1, 20, 4)  # up to 3 blocks in all: some have no memory
+    with pytest.raises(StateError, match="pool holds 2 blocks and the allocator 4"):
+        cache.update(k, k, 0)
+    assert (kv.allocator.num_active, [s.block_table for s in cache.sequences], cache.get_seq_length()) == before
+    assert kv.allocator.num_available == 4 - before[0]
+    kv.check()
+    if had_tokens:  # the cache still works within the pool
+        out, _ = cache.update(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), 0)
+        assert out.shape == (1, 1, had_tokens + 1, 4)
 
 
 def test_a_cache_dropped_inside_the_allocator_is_freed_on_the_next_operation(shipped_pair):

@@ -169,3 +169,22 @@ def test_admit_over_a_quantized_pool_with_windows_is_lookup_adopt_advance():
         return seq.block_table, seq.token_ids, seq.window_start, holds, kv.allocator.indexed_blocks()
 
     assert run(True) == run(False)
+
+
+def test_admit_with_unknown_tokens_never_shares_their_blocks():
+    """-1 (UNKNOWN_TOKEN) is the design's "token not known" mark (padded positions): admit accepts it, as advance
+    does, but a block holding one, and every later block, is never indexed nor matched; -2 is refused."""
+    kv = PagedKV(SPEC, 16)
+    prompt = list(range(1, 18))  # 17 tokens: two full blocks and one token
+    unknown_first = [1, -1, *prompt[2:]]
+    a, b = kv.new_sequence(), kv.new_sequence()
+    assert a.admit(unknown_first) == range(0, 17) and b.admit(unknown_first) == range(0, 17)
+    assert not set(a.block_table) & set(b.block_table)  # nothing shared
+    unknown_second = [*prompt[:9], -1, *prompt[10:]]
+    c, d = kv.new_sequence(), kv.new_sequence()
+    c.admit(prompt)
+    assert d.admit(unknown_second) == range(8, 17)  # the first block is reused, the one holding -1 is not
+    assert d.block_table[0] == c.block_table[0] and set(d.block_table[1:]).isdisjoint(c.block_table)
+    with pytest.raises(InvalidArgumentError, match="got -2"):
+        kv.new_sequence().admit([1, -2, 3])
+    kv.check()

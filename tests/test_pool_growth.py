@@ -10,7 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memos_ref.errors import ArgumentTypeError, ConfigError, DeviceError, DTypeError, InvalidArgumentError
+from memos_ref.errors import (
+    ArgumentTypeError,
+    ConfigError,
+    DeviceError,
+    DTypeError,
+    InvalidArgumentError,
+    StateError,
+)
 from memos_ref.paged import BlockAllocator, BlockPool, PagedKV
 from memos_ref.paged.allocator import ALLOCATED, CACHED, EVICTED, FREED, STORED
 from memos_ref.paged.check import check_invariants
@@ -156,6 +163,7 @@ def test_events_name_the_new_blocks_after_growth():
         ({"n_blocks": "4"}, ArgumentTypeError),
         ({"n_blocks": 2, "dtype": torch.float16}, DTypeError),
         ({"n_blocks": 2, "device": "meta"}, DeviceError),
+        ({"n_blocks": 2, "device": "nonsense"}, DeviceError),  # not a device at all (was a raw RuntimeError)
     ],
 )
 def test_a_failed_grow_changes_nothing(kwargs, error):
@@ -204,6 +212,36 @@ def test_pool_grow_and_shrink_are_exact():
     assert pool.num_blocks == 3 and len(pool.segments) == 1
     with pytest.raises(InvalidArgumentError):
         pool.shrink(range(0, 3))  # the first segment never goes
+
+
+def test_the_allocator_of_a_pagedkv_cannot_outgrow_its_pool():
+    kv = PagedKV(SPEC, 2, prefix_caching=False)
+    with pytest.raises(ConfigError, match="storage holds 2 blocks"):
+        kv.allocator.grow(2)  # alone, without the pool: the ids would have no memory
+    assert kv.allocator.num_blocks == kv.pool.num_blocks == 2 and kv.allocator.free_blocks() == [0, 1]
+    assert kv.grow(2) == range(2, 4)  # together they still grow
+    assert kv.allocator.num_blocks == kv.pool.num_blocks == 4
+    kv.check()
+
+
+def _apart() -> PagedKV:
+    """A PagedKV whose allocator holds 4 blocks and pool 2 (the pool's last segment dropped behind its back)."""
+    kv = PagedKV(SPEC, 2, prefix_caching=False)
+    kv.pool.shrink(kv.grow(2))
+    assert (kv.allocator.num_blocks, kv.pool.num_blocks) == (4, 2)
+    return kv
+
+
+def test_a_sequence_write_past_the_pool_is_refused_and_gives_back_its_blocks():
+    kv = _apart()
+    seq = kv.new_sequence()
+    _write(seq, list(range(4)), seed=0)  # block 0
+    k, v = _kv(0, list(range(24)), 0)
+    with pytest.raises(StateError, match="pool holds 2 blocks and the allocator 4"):
+        seq.append(0, k[:, 4:], v[:, 4:])  # 20 more tokens: blocks 1 and 2; block 2 has no memory
+    assert seq.num_tokens == 4 and seq.layer_tokens == [4, 4] and seq.block_table == [0]
+    assert kv.allocator.num_active == 1 and kv.allocator.num_available == 3
+    kv.check()
 
 
 def test_the_allocator_refuses_a_bad_growth_unchanged():

@@ -210,6 +210,7 @@ class BlockAllocator:
             raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._lock = threading.RLock()
+        self._capacity: Callable[[], int] | None = None  # the storage's block count, once an owner binds it
         # Per-block state in flat arrays, not lists: the garbage collector never walks them (a million-entry list
         # is scanned on every full collection), so the cost of an operation does not grow with the pool.
         # Read-only outside this class: refcount, state (BlockState values), cacheable (0/1).
@@ -258,12 +259,28 @@ class BlockAllocator:
                     f"n: expected at most {MAX_BLOCKS - self.num_blocks} more blocks (an allocator holds at most "
                     f"{MAX_BLOCKS}; it holds {self.num_blocks}), got {n}"
                 )
+            if self._capacity is not None and self.num_blocks + n > (capacity := self._capacity()):
+                raise ConfigError(
+                    f"n: the storage holds {capacity} blocks and this allocator {self.num_blocks}: growing it by {n} "
+                    f"would hand out blocks with no memory; grow the pool and the allocator together "
+                    f"(PagedKV.grow)"
+                )
             try:
                 return self._grow(n)
             except MemoryError as exc:  # the per-block arrays could not be built: nothing was changed
                 raise CapacityExceededError(
                     f"could not grow the allocator by {n} blocks: out of host memory", needed=n
                 ) from exc
+
+    def bind_capacity(self, capacity: Callable[[], int]) -> None:
+        """Tie growth to the storage behind the ids: from now on :meth:`grow` refuses (:class:`ConfigError`, the
+        allocator unchanged) to go past ``capacity()`` blocks — the pool's count, which its owner
+        (:class:`~memos_ref.paged.store.PagedKV`) grows first — so the allocator alone can never hand out a block
+        the pool does not hold."""
+        if not callable(capacity):
+            raise ArgumentTypeError(f"capacity: expected a callable returning a block count, got {capacity!r:.80}")
+        with self._lock:
+            self._capacity = capacity
 
     def _grow(self, n: int) -> range:
         """:meth:`grow` (checked, under the lock): build the new arrays, then commit them."""

@@ -324,8 +324,16 @@ class BlockPool:
         n = self.check_grow(n)
         if dtype is not None and dtype != self.spec.dtype:
             raise DTypeError(f"a new segment must hold the pool's dtype {self.spec.dtype}, got {dtype}")
-        if device is not None and torch.device(device) != self.device:
-            raise DeviceError(f"a new segment must live on the pool's device {self.device}, got {torch.device(device)}")
+        if device is not None:
+            try:
+                where = torch.device(device)
+            except (RuntimeError, TypeError) as exc:  # torch.device("nonsense")
+                raise DeviceError(
+                    f"device: a new segment must live on the pool's device {self.device}, got {device!r:.80} "
+                    f"(not a device: {exc})"
+                ) from None
+            if where != self.device:
+                raise DeviceError(f"a new segment must live on the pool's device {self.device}, got {where}")
         with self._grow_lock:
             start = self._layout.num_blocks
             self._add_segment(n)

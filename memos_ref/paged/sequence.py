@@ -31,6 +31,7 @@ from memos_ref.errors import (
     ConfigError,
     InvalidArgumentError,
     InvalidBlockError,
+    KVCacheError,
     OutOfBlocksError,
     ShapeError,
     StagingFullError,
@@ -318,7 +319,18 @@ class SequenceCache:
                 slots = self.reserve(n, token_ids)
             else:
                 slots = self._slots(start, start + n)
-            self.pool.write(layer, slots, key.transpose(0, 1), value.transpose(0, 1))
+            try:
+                self.pool.write(layer, slots, key.transpose(0, 1), value.transpose(0, 1))
+            except Exception as exc:
+                if beyond > 0:
+                    self.rollback_step(start)  # the blocks reserved above go back
+                if isinstance(exc, KVCacheError) and not isinstance(exc, InvalidArgumentError):
+                    raise
+                # a slot the storage does not hold (allocator and pool apart), refused or raw
+                raise StateError(
+                    f"writing {n} tokens of layer {layer} failed: the pool holds {self.pool.num_blocks} blocks and "
+                    f"the allocator {self.allocator.num_blocks} ({exc}); nothing was kept"
+                ) from exc
             self.layer_tokens[layer] = start + n
             if self.caught_up:
                 self._after_all_layers()
@@ -433,7 +445,12 @@ class SequenceCache:
         positions added after the reused prefix, ``range(reused, len(token_ids))``.
 
         All or nothing: :class:`OutOfBlocksError` (the pool cannot hold the prompt even after reusing its cached
-        prefix) is raised before anything changes — no reference taken, no lookup counted."""
+        prefix) is raised before anything changes — no reference taken, no lookup counted.
+
+        An id of :data:`UNKNOWN_TOKEN` (-1) is accepted, as by :meth:`advance`: it marks a position whose token is
+        not known (a padded or masked position that :class:`~memos_ref.hf.PagedCache` records). A block holding
+        one is never entered in the prefix index, nor is any block after it, so no KV is ever shared on an unknown
+        token; every other negative id is refused (:class:`InvalidArgumentError`)."""
         self._check_live()
         if self.num_tokens or self.block_table:
             raise StateError(f"admit() starts an empty sequence; this one holds {self.num_tokens} tokens")
@@ -694,6 +711,16 @@ class SequenceCache:
             self.layer_tokens = [n] * len(self.layer_tokens)
             self.num_registered = min(self.num_registered, n // self.block_size)
             del self._chain[self.num_registered :]
+
+    def rollback_step(self, n: int) -> None:
+        """Undo a model step that failed part-way: back to ``n`` tokens in every layer, the blocks reserved past
+        them given back (as :meth:`truncate`, which refuses mid-step). ``n`` is at most what every layer holds:
+        tokens some layer already wrote are kept only up to ``n``."""
+        self._check_live()
+        with self._lock:
+            n = check_index("n", n, lo=0, hi=min(self.layer_tokens, default=self.num_tokens))
+            self.layer_tokens = [self.num_tokens] * len(self.layer_tokens)  # the step is abandoned, not finished
+            self.truncate(n)
 
     def free(self) -> None:
         """Release every block; the sequence cannot be used afterwards (freeing twice is harmless)."""

@@ -100,11 +100,14 @@ class PagedKV:
         staging_blocks: int | None = None,
         layer_scales: torch.Tensor | None = None,
     ) -> None:
+        check_type("spec", spec, KVSpec)
         self.spec = spec
         self.pool: KVPool = self._build_pool(
             spec, num_blocks, byte_budget, segments, device, pool, quant, residual_tokens, staging_blocks, layer_scales
         )
         self.allocator = BlockAllocator(self.pool.num_blocks)
+        pool_ = self.pool
+        self.allocator.bind_capacity(lambda: pool_.num_blocks)  # allocator.grow alone cannot outgrow the pool
         self._debug = debug
         kinds = self.pool.block_events | (_DEBUG_EVENTS if debug else frozenset())
         self._pool_events = self.allocator.subscribe(kinds, handler=self._on_block_event) if kinds else None
