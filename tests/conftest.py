@@ -231,8 +231,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if report.when == "call" and report.failed:
         fn = getattr(item, "obj", None)
         seed = getattr(fn, "_hypothesis_internal_use_generated_seed", None)
+        used = getattr(fn, "_hypothesis_internal_use_settings", None)
         if seed is not None:
             report.sections.append(("hypothesis seed", f"rerun with: pytest '{item.nodeid}' --hypothesis-seed={seed}"))
+        elif used is not None and getattr(used, "derandomize", False):
+            # Hypothesis derandomizes when it detects CI: the same examples run every time, so a rerun replays it
+            report.sections.append(
+                ("hypothesis seed", f"derandomized (CI): rerun with: pytest '{item.nodeid}' --hypothesis-seed=0")
+            )
     return report
 
 

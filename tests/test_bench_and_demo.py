@@ -27,7 +27,7 @@ def quick_decode(tmp_path_factory):
 
 def test_decode_quick_json_contract(quick_decode):
     report, _ = quick_decode
-    assert set(report) == {"bench", "version", "machine", "config", "results", "summary"}
+    assert set(report) == {"bench", "version", "machine", "peers", "config", "results", "summary"}
     summary = report["summary"]
     for key in (
         "concat_over_contiguous_ms_per_token_at_max_ctx",
