@@ -149,7 +149,7 @@ peers: setup
 readme: setup
 	$(BIN)/python -m memos_ref.bench.report render
 
-# Every notebook run headless with its claims table exported into results/notebooks.json (the README's ledger).
+# Every notebook run headless with its claims table exported into results/notebooks.json (the claims ledger in docs/results.md).
 claims: setup redis
 	$(BIN)/python -m memos_ref.bench.report record-notebooks
 
