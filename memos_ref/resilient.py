@@ -12,9 +12,13 @@ failed call does depends on what failed:
   fallback without touching the network; the next call after that tries again, and a success ends degraded
   mode (``reconnects``). One slow reply under load therefore drops one call, not a second of traffic.
 * **The server's answer** (any other ``redis.RedisError``: ``WRONGTYPE`` for a value of another type planted at
-  a key, ``OOM command not allowed`` from a full server, ``READONLY`` from a replica, ``MOVED`` from a cluster
-  node, ...): the call answers its fallback and counts ``errors`` and ``errors_<kind>`` (``errors_wrongtype``,
-  ``errors_oom``, ``errors_readonly``, ``errors_moved``, ...). The connection is fine, so it never degrades.
+  a key, ``OOM command not allowed`` from a full server, ``READONLY`` from a replica, ``MOVED``/``ASK``,
+  ``CLUSTERDOWN``, ``TRYAGAIN`` from a cluster node, ...) and what a ``RedisCluster`` client raises on its own
+  (``redis.exceptions.RedisClusterException``, which is not a ``RedisError``: ``SlotNotCoveredError`` while a
+  failover or migration leaves a slot without a node; ``ClusterError`` when its redirections ran out): the call
+  answers its fallback and counts ``errors`` and ``errors_<kind>`` (``errors_wrongtype``, ``errors_oom``,
+  ``errors_readonly``, ``errors_moved``, ``errors_slotnotcovered``, ``errors_cluster``, ...). The connection is
+  fine, so it never degrades.
 
 Nothing a Redis server answers raises into the caller.
 
@@ -85,6 +89,12 @@ _KINDS = {
     "NoScriptError": "noscript",
     "ExecAbortError": "execabort",
     "BusyLoadingError": "loading",
+    # raised by redis-py's RedisCluster client itself, not by a server reply
+    "SlotNotCoveredError": "slotnotcovered",
+    "CrossSlotTransactionError": "crossslot",
+    "InvalidPipelineStack": "pipelinestack",
+    "ClusterError": "cluster",
+    "RedisClusterException": "cluster",
 }
 
 
@@ -197,7 +207,9 @@ class ResilientRedis:
             raise BackendUnavailableError("redis-py is not installed: pip install redis") from exc
         self.errors = (redis.ConnectionError, redis.TimeoutError, OSError)
         self._timeouts = (redis.TimeoutError, TimeoutError)
-        self.server_errors = (redis.RedisError,)
+        # RedisClusterException (SlotNotCoveredError, ...) is not a RedisError: a RedisCluster client raises it
+        # when its slot map has no node for a key (a failover or a migration in progress)
+        self.server_errors = (redis.RedisError, redis.exceptions.RedisClusterException)
         self.url, self.retry_after, self.clock = url, retry_after, clock
         self.failure_threshold = failure_threshold
         self.timeout = timeout  # the socket timeout (a given client's own apply to it)
