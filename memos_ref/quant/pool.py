@@ -2,7 +2,7 @@
 and copy-on-write as :class:`~memos_ref.paged.pool.BlockPool`; only what a block *holds* changes.
 
 The pool is the staging slab, the window bookkeeping and dispatch: what a sealed block holds, and how it is
-encoded and decoded, belongs to the scheme's :class:`~memos_ref.quant.base.BlockCodec` (one file per scheme:
+encoded and decoded, belongs to the scheme's :class:`~memos_ref.quant.codec.BlockCodec` (one file per scheme:
 :mod:`~memos_ref.quant.fp16`, :mod:`~memos_ref.quant.int8_token`, :mod:`~memos_ref.quant.int8_tensor`,
 :mod:`~memos_ref.quant.fp8`, :mod:`~memos_ref.quant.kivi`). Storage, preallocated per scheme (``N`` blocks,
 ``L`` layers, ``H`` KV heads, ``T`` tokens, ``D`` dims):
@@ -47,7 +47,7 @@ from memos_ref.errors import (
 )
 from memos_ref.paged.allocator import CACHED, EVICTED, FREED, BlockEvent
 from memos_ref.paged.pool import check_block_id, check_block_table, check_kv, check_layer, check_slots
-from memos_ref.quant.base import BlockCodec, Quantizer
+from memos_ref.quant.codec import BlockCodec, BlockScheme
 from memos_ref.spec import KVSpec
 
 __all__ = ["QuantizedBlockPool"]
@@ -59,7 +59,7 @@ class QuantizedBlockPool:
     Args:
         spec: the model's KV geometry; K/V arrive and are returned in ``spec.dtype``.
         num_blocks: blocks (ids ``0..num_blocks-1``).
-        scheme: a :class:`Quantizer` (``PerTokenInt8``, ``PerTensorInt8`` with a fixed scale or
+        scheme: a :class:`~memos_ref.quant.base.Quantizer` (``PerTokenInt8``, ``PerTensorInt8`` with a fixed scale or
             ``layer_scales``, ``FP8E4M3``, ``KIVI``).
         residual_tokens: the most recent tokens of each sequence kept at full precision (KIVI default 128).
         staging_blocks: full-precision blocks available for them (default: a quarter of the pool, at least 8).
@@ -75,7 +75,7 @@ class QuantizedBlockPool:
         self,
         spec: KVSpec,
         num_blocks: int,
-        scheme: Quantizer,
+        scheme: BlockScheme,
         *,
         residual_tokens: int | None = None,
         staging_blocks: int | None = None,
@@ -85,7 +85,7 @@ class QuantizedBlockPool:
         check_type("num_blocks", num_blocks, int)
         if num_blocks <= 0:
             raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if not isinstance(scheme, Quantizer):
+        if not isinstance(scheme, BlockScheme):  # a Quantizer: its name and codec (the pool needs no more)
             raise ConfigError(
                 f"unsupported scheme {scheme!r}: expected Float16, PerTokenInt8, PerTensorInt8, FP8E4M3 or KIVI"
             )
