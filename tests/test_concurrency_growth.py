@@ -33,10 +33,11 @@ WAIT_S = 30.0  # bound on every wait: a stuck thread fails the test, never hangs
 
 
 class LineStepper:
-    """Runs ``fn`` in a thread that stops before every line it executes in ``pool.py``; :meth:`pauses` yields at
-    each stop (the thread is frozen there) and resumes it when the caller asks for the next one."""
+    """Runs ``fn`` in a thread that stops before every line it executes in ``file`` (``pool.py``; or any of several
+    files); :meth:`pauses` yields at each stop (the thread is frozen there) and resumes it when the caller asks
+    for the next one."""
 
-    def __init__(self, fn: Callable[[], object], file: str = POOL_FILE) -> None:
+    def __init__(self, fn: Callable[[], object], file: str | tuple[str, ...] = POOL_FILE) -> None:
         self.fn, self.file = fn, file
         self.paused = threading.Event()
         self.resume = threading.Event()
@@ -174,7 +175,8 @@ def test_allocator_counts_read_during_a_growth_are_consistent():
         seen.append((a.num_active, a.num_available))
 
     kv.pool.grow(4)  # the storage first, as PagedKV.grow does (the allocator cannot outgrow it); its half is stepped
-    stepper = LineStepper(lambda: a.grow(4), "memos_ref/paged/allocator.py")
+    # every line of the growth: the allocator's and its free lists' (memos_ref/paged/free_list.py)
+    stepper = LineStepper(lambda: a.grow(4), ("memos_ref/paged/allocator.py", "memos_ref/paged/free_list.py"))
     for _ in stepper.pauses():
         reader = threading.Thread(target=read, daemon=True)
         reader.start()

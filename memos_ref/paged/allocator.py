@@ -1,4 +1,4 @@
-"""BlockAllocator: the one owner of KV block state — refcounts, free and LRU lists, the prefix-hash index, events.
+"""BlockAllocator: the one owner of KV block state — refcounts and states — composing its three parts.
 
 Metadata only — no tensors (the K/V memory is :class:`memos_ref.paged.pool.BlockPool`). It plays the part of
 vLLM v1's ``BlockPool`` (``vllm/v1/core/block_pool.py``); here that name belongs to the tensor pool. Each block
@@ -9,23 +9,20 @@ is in one of three states:
 * **cached** — refcount 0 but holding a reusable full prefix block (``cacheable``); kept on an LRU list and
   evicted inline, oldest first, only when an allocation finds no free block.
 
-Both lists are *intrusive doubly linked lists* over two integer arrays (``prev``/``next`` per block, with a
-sentinel per list), as in vLLM v1's ``FreeKVCacheBlockQueue``: any block can be unlinked in O(1) — which a
-Python ``deque.remove`` cannot (it scans, so its cost grows with the pool). Refcounts are an integer array.
+The allocator keeps the refcounts, states and ``cacheable`` flags (integer arrays) and moves blocks between its
+parts, as vLLM's ``BlockPool`` does with its ``FreeKVCacheBlockQueue`` and its hash-to-block map:
 
-**The prefix-hash index** lives here too: ``hash -> block`` with the block's token ids for verification
-(:meth:`cache_block`, :meth:`uncache`, :meth:`match_prefix`, :meth:`take_cached`). Evicting a cached block
-drops its hash in the same step, so the index and the lists can never disagree. A block's token ids are kept
-packed (signed 64-bit, the bytes its hash covers): a lookup verifies a block with one ``bytes`` comparison.
-:class:`~memos_ref.paged.prefix.PrefixCache` is the hashing and statistics front end over this index.
+* :mod:`memos_ref.paged.free_list` — the free and the cached (LRU) lists, intrusive linked lists with O(1)
+  unlink;
+* :mod:`memos_ref.paged.prefix_index` — ``hash -> block`` with each block's packed token ids for verification.
+  Evicting a cached block drops its hash in the same step, so the index and the lists can never disagree.
+  :class:`~memos_ref.paged.prefix.PrefixCache` is the hashing and statistics front end over this index;
+* :mod:`memos_ref.paged.events` — :class:`BlockEvent` queues for the consumers that :meth:`subscribe`.
 
-**Events** instead of hook chains: every change a consumer may care about is appended as a
-:class:`BlockEvent` (``stored``, ``cached``, ``evicted``, ``removed``, ``freed``, ``allocated``) to the queue of
-each :meth:`subscribe`-r that asked for that kind. A subscription with a ``handler`` is drained by the allocator
-itself at the end of the operation that produced the events, before it returns (so a write-back sees an evicted
-block's bytes before the caller overwrites them, and a quantized pool releases a staging slot before the block
-is handed out again); one without is drained by its consumer (:meth:`EventQueue.drain`). Nothing is recorded for
-a kind nobody subscribed to.
+The parts never read block state nor each other. The operations that join the index to block state
+(:meth:`cache_block`, :meth:`uncache`, :meth:`match_prefix`, :meth:`take_cached`) are written in
+:mod:`memos_ref.paged.indexing`, a base class of the allocator working on its own state. The public names of
+those modules are re-exported here (``from memos_ref.paged.allocator import EVICTED, BlockEvent`` still works).
 
 One re-entrant lock (:attr:`lock`) makes every public method thread-safe; hold it to make a check and an action
 on block state atomic.
@@ -36,10 +33,7 @@ from __future__ import annotations
 import threading
 import time
 from array import array
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from enum import IntEnum
-from typing import NamedTuple
+from collections.abc import Callable, Iterable
 
 from memos_ref.errors import (
     ArgumentTypeError,
@@ -50,10 +44,25 @@ from memos_ref.errors import (
     InvalidBlockError,
     OutOfBlocksError,
     RefcountUnderflowError,
-    ShapeError,
     check_index,
     check_type,
 )
+from memos_ref.paged.events import (
+    ALLOCATED,
+    CACHED,
+    EVENT_KINDS,
+    EVICTED,
+    FREED,
+    REMOVED,
+    STORED,
+    BlockEvent,
+    EventHub,
+    EventQueue,
+    block_handler,
+)
+from memos_ref.paged.free_list import BlockState, FreeLists
+from memos_ref.paged.indexing import BlockIndexing
+from memos_ref.paged.prefix_index import PrefixIndex, pack_ids
 
 __all__ = [
     "ALLOCATED",
@@ -61,6 +70,7 @@ __all__ = [
     "EVENT_KINDS",
     "EVICTED",
     "FREED",
+    "MAX_BLOCKS",
     "REMOVED",
     "STORED",
     "BlockAllocator",
@@ -76,120 +86,11 @@ __all__ = [
 MAX_BLOCKS = 2**40
 
 
-class BlockState(IntEnum):
-    FREE = 0
-    ACTIVE = 1
-    CACHED = 2
-
-
 _FREE, _ACTIVE, _CACHED = BlockState.FREE, BlockState.ACTIVE, BlockState.CACHED
 _INT_ONLY, _ACTIVE_ONLY = {int}, {int(_ACTIVE)}
 
-#: A full block entered the prefix-hash index (``block_hash`` set).
-STORED = "stored"
-#: The last holder let go of a cacheable block: it stays, evictable, on the LRU list.
-CACHED = "cached"
-#: A cached block was taken back for a new allocation (``block_hash``: the hash it held, or None).
-EVICTED = "evicted"
-#: A block's hash left the index without an eviction (:meth:`BlockAllocator.uncache`).
-REMOVED = "removed"
-#: A block returned to the free list (not after an eviction: that block is handed out at once).
-FREED = "freed"
-#: One :meth:`BlockAllocator.allocate` call: ``count`` blocks in ``seconds``.
-ALLOCATED = "allocated"
-EVENT_KINDS = frozenset({STORED, CACHED, EVICTED, REMOVED, FREED, ALLOCATED})
 
-
-class BlockEvent(NamedTuple):
-    """One change of block state. ``block`` is -1 for an ``allocated`` event (``count`` says how many)."""
-
-    kind: str
-    block: int
-    block_hash: bytes | None = None
-    count: int = 1
-    seconds: float = 0.0
-
-
-class EventQueue:
-    """A consumer's queue of :class:`BlockEvent` (from :meth:`BlockAllocator.subscribe`).
-
-    Without a handler the consumer calls :meth:`drain` when it likes (``maxlen`` bounds what waits; the oldest
-    events are dropped and counted in :attr:`dropped`). With a handler the allocator drains it at the end of each
-    operation. :meth:`close` ends the subscription.
-    """
-
-    def __init__(
-        self,
-        owner: BlockAllocator,
-        kinds: frozenset[str],
-        handler: Callable[[BlockEvent], None] | None,
-        maxlen: int | None,
-    ) -> None:
-        self.owner, self.kinds, self.handler = owner, kinds, handler
-        self._items: deque[BlockEvent] = deque()
-        self.maxlen = maxlen
-        self.dropped = 0
-
-    def _put(self, event: BlockEvent) -> None:
-        if self.maxlen is not None and len(self._items) >= self.maxlen:
-            self._items.popleft()
-            self.dropped += 1
-        self._items.append(event)
-
-    def drain(self) -> list[BlockEvent]:
-        """Every event waiting, oldest first; the queue is left empty."""
-        with self.owner.lock:
-            out = list(self._items)
-            self._items.clear()
-            return out
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def close(self) -> None:
-        """Stop receiving events (idempotent)."""
-        self.owner.unsubscribe(self)
-
-
-class _LinkedList:
-    """An intrusive doubly linked list over shared ``prev``/``next`` arrays; ``sentinel`` is its own node."""
-
-    __slots__ = ("next", "prev", "sentinel", "size")
-
-    def __init__(self, prev: array, nxt: array, sentinel: int) -> None:
-        self.prev, self.next, self.sentinel, self.size = prev, nxt, sentinel, 0
-        prev[sentinel] = nxt[sentinel] = sentinel
-
-    def push_back(self, node: int) -> None:
-        prev, nxt, s = self.prev, self.next, self.sentinel
-        last = prev[s]
-        nxt[last] = node
-        prev[node] = last
-        nxt[node] = s
-        prev[s] = node
-        self.size += 1
-
-    def unlink(self, node: int) -> None:
-        prev, nxt = self.prev, self.next
-        before, after = prev[node], nxt[node]
-        nxt[before] = after
-        prev[after] = before
-        prev[node] = nxt[node] = -1
-        self.size -= 1
-
-    def pop_front(self) -> int:
-        node = self.next[self.sentinel]
-        self.unlink(node)
-        return node
-
-    def __iter__(self) -> Iterator[int]:
-        node = self.next[self.sentinel]
-        while node != self.sentinel:
-            yield node
-            node = self.next[node]
-
-
-class BlockAllocator:
+class BlockAllocator(BlockIndexing):
     """Hands out block ids ``0..num_blocks-1`` with refcounts, and indexes full blocks by prefix hash.
 
     Args:
@@ -217,30 +118,21 @@ class BlockAllocator:
         self.refcount = array("l", [0]) * num_blocks
         self.state = bytearray(num_blocks)  # BlockState.FREE == 0
         self.cacheable = bytearray(num_blocks)
-        # the prefix-hash index: hash -> block, and per indexed block its hash and its token ids packed as int64
-        # bytes (read-only outside; tokens_of() unpacks them)
-        self.hash_by_block: dict[int, bytes] = {}
-        self.tokens_by_block: dict[int, bytes] = {}
-        self._by_hash: dict[bytes, int] = {}
-        # Nodes 0..N-1 are blocks; N and N+1 are the sentinels of the free and cached lists.
-        self._prev = array("q", range(-1, num_blocks + 1))
-        self._next = array("q", range(1, num_blocks + 3))
-        self._free = _LinkedList(self._prev, self._next, num_blocks)
-        self._cached = _LinkedList(self._prev, self._next, num_blocks + 1)
-        if num_blocks:  # blocks 0..N-1 in order on the free list (built in one pass, not N push_backs)
-            self._prev[0], self._next[num_blocks - 1] = num_blocks, num_blocks
-            self._next[num_blocks], self._prev[num_blocks] = 0, num_blocks - 1
-            self._free.size = num_blocks
+        # the parts (each keeps the same arrays, dicts and lists for its life, so the references below stay valid)
+        self._lists = FreeLists(num_blocks)
+        self._free, self._cached = self._lists.free, self._lists.cached
+        self._index = PrefixIndex()
+        # the prefix-hash index per block: its hash, and its token ids packed as int64 bytes (read-only outside;
+        # tokens_of() unpacks them)
+        self.hash_by_block, self.tokens_by_block = self._index.hash_by_block, self._index.tokens_by_block
         self.evictions = 0
         # events: per kind, the subscriptions that want it; handlers drained at the end of each operation
-        self._subs: list[EventQueue] = []
-        self._routes: dict[str, tuple[EventQueue, ...]] = {kind: () for kind in EVENT_KINDS}
-        self._handled: list[EventQueue] = []
-        self._pending = False
-        self._dispatching = False
+        self._events = EventHub(self._lock)
+        self._routes, self._pending = self._events.routes, self._events.pending
+        self._emit, self._dispatch = self._events.emit, self._events.dispatch
         for kind, fn in ((EVICTED, on_evict), (FREED, on_free), (CACHED, on_cache)):
             if fn is not None:
-                self.subscribe({kind}, handler=_block_handler(fn))
+                self.subscribe({kind}, handler=block_handler(fn))
 
     # ------------------------------------------------------------------ growth
     def grow(self, n: int) -> range:
@@ -283,30 +175,9 @@ class BlockAllocator:
             self._capacity = capacity
 
     def _grow(self, n: int) -> range:
-        """:meth:`grow` (checked, under the lock): build the new arrays, then commit them."""
+        """:meth:`grow` (checked, under the lock): build the new links, then commit them with the arrays."""
         old = self.num_blocks
-        new = old + n
-        # the two sentinels move from old, old+1 to new, new+1; the nodes linked to them are re-pointed
-        prev, nxt = array("q", self._prev), array("q", self._next)  # built first: a failure changes nothing
-        tail = array("q", [-1]) * (n + 2)
-        del prev[old:], nxt[old:]
-        prev.extend(tail)
-        nxt.extend(tail)
-        for lst, sentinel in ((self._free, new), (self._cached, new + 1)):
-            s = lst.sentinel
-            first, last = self._next[s], self._prev[s]
-            if first == s:  # empty
-                prev[sentinel] = nxt[sentinel] = sentinel
-            else:
-                nxt[sentinel], prev[first] = first, sentinel
-                prev[sentinel], nxt[last] = last, sentinel
-        # the new blocks, in order, at the back of the free list
-        free_s = new
-        last = prev[free_s]
-        prev[old:new] = array("q", range(old - 1, new - 1))
-        nxt[old:new] = array("q", range(old + 1, new + 1))
-        prev[old], nxt[last] = last, old
-        nxt[new - 1], prev[free_s] = free_s, new - 1
+        links = self._lists.grown_links(old, n)  # built first: a failure changes nothing
         # commit: extend the shared arrays in place (sequences hold references to refcount)
         try:
             self.refcount.extend(array("l", [0]) * n)
@@ -315,12 +186,9 @@ class BlockAllocator:
         except BaseException:  # (out of memory) every array back to its old length
             del self.refcount[old:], self.state[old:], self.cacheable[old:]
             raise
-        self._prev[:] = prev
-        self._next[:] = nxt
-        self._free.sentinel, self._cached.sentinel = new, new + 1
-        self._free.size += n
-        self.num_blocks = new
-        return range(old, new)
+        self._lists.commit_growth(links, n)
+        self.num_blocks = old + n
+        return range(old, old + n)
 
     # ------------------------------------------------------------------ events
     @property
@@ -338,53 +206,11 @@ class BlockAllocator:
         """A queue that receives the events of ``kinds`` from now on. With ``handler``, the allocator drains it
         into ``handler`` at the end of each operation (still holding :attr:`lock`, before returning); without, the
         consumer drains it."""
-        if isinstance(kinds, str):
-            kinds = {kinds}
-        kinds = frozenset(kinds)
-        unknown = kinds - EVENT_KINDS
-        if unknown:
-            raise InvalidArgumentError(f"unknown event kinds {sorted(unknown)}; expected some of {sorted(EVENT_KINDS)}")
-        if handler is not None and not callable(handler):
-            raise InvalidArgumentError(f"handler must be callable, got {type(handler).__name__}")
-        if maxlen is not None:
-            maxlen = check_index("maxlen", maxlen, lo=1)
-        with self._lock:
-            queue = EventQueue(self, kinds, handler, maxlen)
-            self._subs.append(queue)
-            self._reroute()
-            return queue
+        return self._events.subscribe(kinds, handler, maxlen)
 
     def unsubscribe(self, queue: EventQueue) -> None:
         """End a subscription (its waiting events stay readable with ``drain``)."""
-        with self._lock:
-            if queue in self._subs:
-                self._subs.remove(queue)
-                self._reroute()
-
-    def _reroute(self) -> None:
-        self._routes = {kind: tuple(q for q in self._subs if kind in q.kinds) for kind in EVENT_KINDS}
-        self._handled = [q for q in self._subs if q.handler is not None]
-
-    def _emit(self, routes: tuple[EventQueue, ...], event: BlockEvent) -> None:
-        for queue in routes:
-            queue._put(event)
-            if queue.handler is not None:
-                self._pending = True
-
-    def _dispatch(self) -> None:
-        """Drain handler subscriptions (called at the end of each operation, under the lock)."""
-        if self._dispatching:  # a handler's own allocator call: the outer dispatch loop delivers its events
-            return
-        self._dispatching = True
-        try:
-            while self._pending:
-                self._pending = False
-                for queue in self._handled:
-                    items = queue._items
-                    while items:
-                        queue.handler(items.popleft())  # type: ignore[misc]
-        finally:
-            self._dispatching = False
+        self._events.unsubscribe(queue)
 
     # ------------------------------------------------------------------ checks
     def _check_id(self, block: object) -> int:
@@ -443,7 +269,7 @@ class BlockAllocator:
             free, cached = self._free, self._cached
             if n > free.size + cached.size:
                 raise OutOfBlocksError(needed=n, available=free.size + cached.size)
-            refcount, state, nxt = self.refcount, self.state, self._next
+            refcount, state, nxt = self.refcount, self.state, free.next
             blocks = []
             for _ in range(n):
                 if free.size:
@@ -471,18 +297,10 @@ class BlockAllocator:
         """A cached block leaves the LRU list for a new owner: its hash leaves the index in the same step."""
         self.cacheable[block] = False
         self.evictions += 1
-        block_hash = self._drop_hash(block)
+        block_hash = self._index.drop(block)
         routes = self._routes[EVICTED]
         if routes:
             self._emit(routes, BlockEvent(EVICTED, block, block_hash))
-
-    def _drop_hash(self, block: int) -> bytes | None:
-        block_hash = self.hash_by_block.pop(block, None)
-        if block_hash is not None:
-            del self.tokens_by_block[block]
-            if self._by_hash.get(block_hash) == block:
-                del self._by_hash[block_hash]
-        return block_hash
 
     def incref(self, block: int) -> None:
         """Add a holder. A cached block is revived (touched) in O(1); a free block cannot be shared."""
@@ -605,166 +423,6 @@ class BlockAllocator:
             if self._pending:
                 self._dispatch()
 
-    # ------------------------------------------------------------------ prefix-hash index
-    def hash_of(self, block: int) -> bytes | None:
-        """The prefix hash ``block`` is indexed under, or None."""
-        return self.hash_by_block.get(self._check_id(block))
-
-    def tokens_of(self, block: int) -> tuple[int, ...] | None:
-        """The token ids of an indexed block (what a lookup verifies), or None."""
-        packed = self.tokens_by_block.get(self._check_id(block))
-        return None if packed is None else tuple(array("q", packed))
-
-    def block_with_hash(self, block_hash: bytes) -> int | None:
-        """The block indexed under ``block_hash`` (active or cached), or None."""
-        return self._by_hash.get(block_hash)
-
-    def indexed_blocks(self) -> dict[int, bytes]:
-        """Every indexed block with its hash (a copy)."""
-        with self._lock:
-            return dict(self.hash_by_block)
-
-    @property
-    def num_indexed(self) -> int:
-        return len(self._by_hash)
-
-    def cache_block(self, block: int, block_hash: bytes, tokens: Sequence[int], *, packed: bytes | None = None) -> bool:
-        """Index the full, written ``block`` under ``block_hash`` with its token ids (it is cached, not freed, at
-        refcount 0). False when the hash is already indexed (another block holds that content; this one stays
-        private) or the block already has a hash. Emits ``stored``. ``packed``: the caller's ``tokens`` already
-        packed as int64 bytes (:func:`pack_ids`), so they are not packed again."""
-        block = self._check_id(block)
-        check_type("block_hash", block_hash, bytes)
-        if packed is None:
-            packed = _pack_checked("tokens", tokens)
-        with self._lock:
-            if self.state[block] == _FREE:
-                raise InvalidBlockError(f"block {block} is free: only a held, written block can be cached")
-            stored = self._index(block, block_hash, packed)
-            if self._pending:
-                self._dispatch()
-            return stored
-
-    def _index(self, block: int, block_hash: bytes, tokens: bytes) -> bool:
-        if block_hash in self._by_hash or block in self.hash_by_block:
-            return False
-        self._by_hash[block_hash] = block
-        self.hash_by_block[block] = block_hash
-        self.tokens_by_block[block] = tokens
-        self.cacheable[block] = True
-        routes = self._routes[STORED]
-        if routes:
-            self._emit(routes, BlockEvent(STORED, block, block_hash))
-        return True
-
-    def cache_blocks(
-        self,
-        blocks: Sequence[int],
-        hashes: Sequence[bytes],
-        token_ids: Sequence[int],
-        block_size: int,
-        *,
-        packed: bytes | None = None,
-    ) -> int:
-        """Index full blocks in one call: ``blocks[i]`` holds ``token_ids[i*block_size:(i+1)*block_size]`` under
-        ``hashes[i]`` (the caller's guarantee: they are held and written). Returns how many were newly indexed.
-        ``packed``: ``token_ids`` already packed as int64 bytes (:func:`pack_ids`), so they are not packed again."""
-        if not len(blocks) == len(hashes) or len(token_ids) < len(blocks) * block_size:
-            raise ShapeError(
-                f"{len(blocks)} blocks need {len(blocks)} hashes and {len(blocks) * block_size} token ids, got "
-                f"{len(hashes)} and {len(token_ids)}"
-            )
-        width = 8 * block_size
-        if packed is None:
-            packed = _pack_checked("token_ids", token_ids[: len(blocks) * block_size])
-        elif len(packed) < len(blocks) * width:
-            raise ShapeError(f"{len(blocks)} blocks need {len(blocks) * width} packed bytes, got {len(packed)}")
-        blocks = self._check_ids(blocks)
-        with self._lock:
-            state = self.state
-            if blocks and _FREE in set(map(state.__getitem__, blocks)):
-                b = next(b for b in blocks if state[b] == _FREE)
-                raise InvalidBlockError(f"block {b} is free: only held, written blocks can be cached")
-            stored, index = 0, self._index
-            for i, (b, h) in enumerate(zip(blocks, hashes)):
-                stored += index(b, h, packed[i * width : (i + 1) * width])
-            if self._pending:
-                self._dispatch()
-            return stored
-
-    def uncache(self, block: int) -> bytes | None:
-        """Drop ``block`` from the index (emits ``removed``): a cached block goes back to the free list at once
-        (``freed``), an active one is freed, not cached, when its last holder lets go. Returns the hash it had."""
-        block = self._check_id(block)
-        with self._lock:
-            block_hash = self._drop_hash(block)
-            if block_hash is not None:
-                routes = self._routes[REMOVED]
-                if routes:
-                    self._emit(routes, BlockEvent(REMOVED, block, block_hash))
-            self.set_cacheable(block, False)
-            return block_hash
-
-    def uncache_if(self, block: int, block_hash: bytes) -> bool:
-        """Atomically: if ``block`` is cached (no holder) under ``block_hash``, drop it to the free list (tier
-        swap-out after its copy is safe elsewhere). False when it was revived or reused meanwhile."""
-        block = self._check_id(block)
-        with self._lock:
-            if self.state[block] != _CACHED or self.hash_by_block.get(block) != block_hash:
-                return False
-            self.uncache(block)
-            return True
-
-    def take_cached(self, block_hash: bytes, tokens: Sequence[int]) -> int | None:
-        """The block indexed under ``block_hash`` whose token ids equal ``tokens``, with one more holder (the
-        caller owns it); None on a miss."""
-        with self._lock:
-            block = self._by_hash.get(block_hash)
-            if block is None or self.tokens_by_block.get(block) != pack_ids(tokens):
-                return None
-            self.incref(block)
-            return block
-
-    def match_prefix(
-        self,
-        hashes: Iterable[bytes],
-        token_ids: Sequence[int],
-        block_size: int,
-        start: int = 0,
-        *,
-        packed: bytes | None = None,
-    ) -> list[int]:
-        """Longest run of indexed blocks continuing a prefix: block ``start + i`` must be indexed under
-        ``hashes[i]`` with ``token_ids[(start+i)*block_size : ...]`` as its tokens. Each block found gets one more
-        holder (the caller owns those references). ``hashes`` may be a lazy iterator: it is consumed only up to
-        the first miss, so a prompt is hashed no further than its cached prefix. ``packed``: ``token_ids`` packed
-        as int64 bytes (:func:`pack_ids`; what the caller hashed), so each block is verified by one comparison."""
-        found: list[int] = []
-        width = 8 * block_size
-        with self._lock:
-            by_hash, tokens_of = self._by_hash, self.tokens_by_block
-            position = start * block_size
-            for block_hash in hashes:
-                block = by_hash.get(block_hash)
-                if block is None:
-                    break
-                # verify the token ids: a hash collision must not return wrong KV
-                if packed is not None:
-                    held = packed[position * 8 : position * 8 + width]
-                else:
-                    held = pack_ids(token_ids[position : position + block_size])
-                if tokens_of[block] != held:
-                    break
-                found.append(block)
-                position += block_size
-            state, refcount, cached = self.state, self.refcount, self._cached
-            for block in found:
-                if state[block] == _CACHED:
-                    cached.unlink(block)
-                    state[block] = _ACTIVE
-                refcount[block] += 1
-            return found
-
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {
@@ -774,37 +432,3 @@ class BlockAllocator:
                 "blocks_free": self.num_free,
                 "evictions": self.evictions,
             }
-
-
-def pack_ids(tokens: Sequence[int]) -> bytes | None:
-    """Token ids packed as signed 64-bit ints (the bytes a block hash covers), or None when they cannot be (a
-    non-integer, an id outside int64, a ``str``/``bytes``): such ids match no indexed block."""
-    if isinstance(tokens, (str, bytes, bytearray, memoryview)):
-        return None
-    try:
-        return array("q", tokens).tobytes()
-    except (TypeError, OverflowError):
-        return None
-
-
-def _pack_checked(name: str, tokens: Sequence[int]) -> bytes:
-    """:func:`pack_ids`, refusing ids it cannot pack: :class:`ArgumentTypeError` for a non-integer,
-    :class:`InvalidArgumentError` for an id outside int64."""
-    packed = pack_ids(tokens)
-    if packed is None:
-        if isinstance(tokens, (str, bytes, bytearray, memoryview)):
-            raise ArgumentTypeError(f"{name}: expected a sequence of int token ids, got {type(tokens).__name__}")
-        bad = next((t for t in tokens if not hasattr(t, "__index__")), None)
-        if bad is not None:
-            raise ArgumentTypeError(f"{name}: expected int token ids, got {type(bad).__name__} ({bad!r:.40})")
-        raise InvalidArgumentError(f"{name}: token ids must fit a signed 64-bit int")
-    return packed
-
-
-def _block_handler(fn: Callable[[int], None]) -> Callable[[BlockEvent], None]:
-    """Adapt an old-style ``fn(block)`` hook to an event handler."""
-
-    def handler(event: BlockEvent) -> None:
-        fn(event.block)
-
-    return handler
