@@ -150,6 +150,21 @@ def test_slot_migrated_mid_run_answers_through_ask_and_moved(redis_cluster):
     b.clear()
 
 
+def test_a_current_slot_map_is_never_re_read(redis_cluster):
+    """The slot map is re-read only once a reply showed it stale (MOVED, a dead node, ...), not every 0.2 s of
+    clock: calls far apart cost no CLUSTER SLOTS round trip and a stale client really meets MOVED."""
+    now = [0.0]
+    b = backend(redis_cluster, "norefresh", clock=lambda: now[0])
+    keys = {f"n{i}": bytes([i]) * 64 for i in range(9)}
+    assert all(b.put_many(keys).values())
+    for _ in range(4):
+        now[0] += 1.0
+        assert b.get_many(keys) == keys
+        b.put_many({"n0": keys["n0"]})
+    assert b.counts["slot_map_refreshes"] == 0 and not b.error_counts
+    b.clear()
+
+
 def test_metrics_per_node_and_error_kind(redis_cluster):
     b = backend(redis_cluster, "metrics")
     b.put_many({"x": b"1", "y": b"2"})

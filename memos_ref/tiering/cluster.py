@@ -147,7 +147,7 @@ class ClusterTierBackend(TierBackend):
         self._timeouts: Counter[str] = Counter()
         self._ahead = ReadAhead(self.readahead_s, clock=clock)
         self._lock = threading.RLock()
-        self._refresh_after = 0.0
+        self._stale, self._refreshed_at = False, float("-inf")  # the slot map: known stale; when last re-read
 
     # ------------------------------------------------------------------ keys and the client
     def _vk(self, key: str) -> str:
@@ -190,15 +190,15 @@ class ClusterTierBackend(TierBackend):
             self.error_counts[kind] += 1
             self.node_counts[node][f"errors_{kind}"] += 1
             if kind in ("moved", "clusterdown", "connection", "refused", "timeout", "slotnotcovered"):
-                self._refresh_after = 0.0  # the slot map is stale (ASK is temporary: it keeps the map)
+                self._stale = True  # the slot map is stale (ASK is temporary: it keeps the map)
         return kind
 
     def _refresh(self) -> None:
-        """Re-read the slot map (after a redirection, a failover or a dead node), at most every 0.2 s."""
+        """Re-read the slot map once known stale (a redirection, failover, dead node); at most every 0.2 s."""
         now = self.clock()
-        if self._refresh_after > now or self._client is None:
+        if not self._stale or now - self._refreshed_at < 0.2 or self._client is None:
             return
-        self._refresh_after = now + 0.2
+        self._stale, self._refreshed_at = False, now
         try:
             self._client.nodes_manager.initialize()
             self.counts["slot_map_refreshes"] += 1
