@@ -56,7 +56,7 @@ AREAS: dict[str, tuple[list[str], list[str]]] = {
         ["tests/test_session.py", "tests/test_regress_engine_session.py", "tests/test_mutation_session.py"],
     ),
     "memory": (
-        ["memos_ref/memory/store.py"],
+        ["memos_ref/memory/store.py", "memos_ref/memory/values.py"],
         ["tests/test_memory_store.py", "tests/test_mutation_memory.py"],
     ),
     "engine": (

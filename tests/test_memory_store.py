@@ -230,13 +230,16 @@ def test_lru_replay_equals_cachetools_and_unbounded_equals_a_dict_oracle():
 
 
 def test_frequency_keeps_hot_entries_through_scans():
+    """LFU keeps the hot entries a scan flushes out of LRU. The trace is small (1,000 operations at 32 entries,
+    the same effect as 4,000 at 64: lfu 0.61 vs lru 0.44 of hot reads) so the test stays cheap under mutmut's
+    trampolines, where every store call costs several times more (issue 30: the 4,000-op version timed out)."""
     from memos_ref.bench.memory import policy_hit_rates
 
-    rates = policy_hit_rates(capacity=64, num_ops=4_000)
+    rates = policy_hit_rates(capacity=32, num_ops=1_000)
     assert rates["lfu"]["hit_rate_hot"] > rates["lru"]["hit_rate_hot"]  # scans flush LRU's hot entries
     assert all(r["hit_rate_scan"] == 0 for r in rates.values())  # one-off reads can never hit
     assert max(r["hit_rate"] for r in rates.values()) == rates["unbounded"]["hit_rate"]
-    subset = policy_hit_rates(capacity=64, num_ops=4_000, policies=["lfu", "lru"])
+    subset = policy_hit_rates(capacity=32, num_ops=1_000, policies=["lfu", "lru"])
     assert subset == {name: rates[name] for name in ("lfu", "lru")}  # the same replay, fewer policies
     with pytest.raises(ConfigError, match="unknown policies"):
         policy_hit_rates(capacity=64, num_ops=10, policies=["lru", "clock"])
@@ -289,3 +292,94 @@ def test_ttlstore_update_reads_default_and_rolls_back_on_error():
     with pytest.raises(ZeroDivisionError):
         store.update("n", lambda n: n / 0)
     assert store.get("n") == 2 and store.stats["sets"] == 2
+
+
+# ---------------------------------------------------------------- the write path (issue 29 item 3)
+def _write_paths(**kwargs):
+    """Both write paths: TTLStore.set (put_encoded) and a one-shard ShardedStore.set (set_under)."""
+    clock = FakeClock()
+    plain = TTLStore(clock=clock, **kwargs)
+    sharded = ShardedStore(shards=1, clock=clock, **kwargs)
+    return [("TTLStore", plain, plain, clock), ("ShardedStore", sharded, sharded.shards[0], clock)]
+
+
+def test_overwrites_never_grow_the_expiry_heap_without_bound():
+    """A store that is overwritten again and again, and never full, keeps a bounded expiry heap (each write
+    leaves a stale record behind; the heap is rebuilt from the live entries when it reaches four times their
+    number, at least 64), and expiry still works after the rebuilds."""
+    for name, store, shard, clock in _write_paths(default_ttl=30, max_entries=100):
+        last = {}
+        for i in range(5_000):
+            store.set(f"k{i % 3}", i)
+            last[f"k{i % 3}"] = i
+            assert shard.heap_size <= 64, name
+        assert {k: store.get(k) for k in last} == last, name
+        clock.now += 29.9
+        assert shard.sweep() == 0 and len(shard) == 3, name
+        clock.now += 0.2
+        assert shard.sweep() == 3 and len(shard) == 0 and shard.heap_size == 0, name
+
+
+def test_an_overwrite_changes_no_snapshot_taken_before_it():
+    """entry() and entries() are copies: a later overwrite of the same key (which reuses the stored entry) does
+    not change what a caller already holds, and the new entry restarts count, TTL and size."""
+    for name, store, shard, clock in _write_paths(default_ttl=10):
+        t0 = clock.now
+        store.set("k", [1, 2, 3])
+        store.get("k")
+        before, listed = shard.entry("k"), shard.entries()
+        clock.now += 5
+        store.set("k", "x")
+        assert (before.payload, before.access_count, before.expire_at) == ("[1,2,3]", 1, t0 + 10), name
+        assert listed[0].payload == "[1,2,3]" and listed[0].size_bytes == 1 + 7, name
+        after = shard.entry("k")
+        assert (after.payload, after.access_count, after.expire_at, after.size_bytes) == ('"x"', 0, t0 + 15, 4), name
+        assert after.version > before.version and shard.bytes == 4, name
+
+
+def test_stats_count_every_call_exactly():
+    """sets, hits, misses, expirations, deletes and evictions are exact counts of what the caller did; a counter
+    appears once it is non-zero (as a Counter's would), and ``stats`` is a snapshot the caller cannot corrupt."""
+    for name, store, shard, clock in _write_paths(default_ttl=10, max_entries=2, policy="lru"):
+        assert shard.stats == {}, name
+        store.set("a", 1)
+        store.set("a", 2)
+        store.set("b", 3)
+        assert shard.stats == {"sets": 3}, name
+        assert store.get("a") == 2 and store.get("zz") is None and store.get("zz") is None
+        store.set("c", 4)  # evicts "b", the least recently used
+        clock.now += 11
+        assert store.get("a") is None  # expired: an expiration and a miss
+        snapshot = shard.stats
+        expected = {"sets": 4, "hits": 1, "misses": 3, "evictions_entries": 1, "expirations": 1}
+        assert snapshot == expected, name
+        snapshot["sets"] = 0
+        assert shard.stats == expected and shard.snapshot_stats() == {**expected, "size": 1, "bytes": 2}, name
+
+
+def test_a_non_ascii_value_is_counted_in_utf8_bytes_of_its_escaped_json():
+    """Values are stored as ASCII JSON (non-ASCII escaped as \\uXXXX): the size counted against max_value_bytes
+    and max_bytes is the byte length of that text, at the boundary exactly."""
+    value = "é☃" * 3  # 6 characters, each escaped to 6 bytes: 36 + 2 quotes
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=True)
+    size = len(text.encode("utf-8")) + len("k")
+    assert size == 39
+    for name, store, shard, _clock in _write_paths(max_value_bytes=size):
+        store.set("k", value)
+        assert store.get("k") == value and shard.bytes == size and shard.entry("k").payload == text, name
+        with pytest.raises(CapacityExceededError, match=f"is {size + 1} bytes"):
+            store.set("kk", value)
+        assert "kk" not in shard and shard.bytes == size, name
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "hybrid"])
+def test_an_overwritten_key_becomes_the_most_recently_used(policy):
+    """An overwrite is a use: under LRU the next eviction takes the key written longest ago, not the one just
+    replaced; under LFU/hybrid (all counts 0 after the overwrite reset) the tie goes to the least recent too."""
+    for name, store, shard, _clock in _write_paths(policy=policy, max_entries=3, default_ttl=None, sample=None):
+        for key in ("a", "b", "c"):
+            store.set(key, key)
+        store.set("a", "again")
+        assert [e.key for e in shard.entries()] == ["b", "c", "a"], name
+        store.set("d", "d")
+        assert sorted(e.key for e in shard.entries()) == ["a", "c", "d"], name

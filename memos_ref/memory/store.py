@@ -5,10 +5,13 @@ Semantics (seed 002 §3, §7):
 
 * ``set`` stores a value with a TTL; overwriting resets ``access_count`` and restarts the TTL;
 * ``get`` never extends the TTL (§7.2's bug) and expires lazily; ``sweep()`` pops an expiry min-heap instead of
-  scanning everything (stale heap entries — overwritten or deleted keys — are skipped by a version check);
-* values are stored as JSON bytes and every ``get`` decodes a fresh copy, so a caller can never mutate the
-  stored value (§7.1's bug); the cost is one ``json.loads`` per hit, paid for safety;
-* capacity by entry count, total bytes and largest value: a value (JSON bytes plus key) larger than
+  scanning everything (stale heap entries — overwritten or deleted keys — are skipped by a version check); the
+  heap is rebuilt from the live entries when it outgrows four times their number, so overwrites that never
+  evict cannot grow it without bound;
+* values are stored as compact JSON text, ASCII only (non-ASCII characters escaped), so a payload's length is
+  its size in bytes; every ``get`` decodes a fresh copy, so a caller can never mutate the stored value (§7.1's
+  bug); the cost is one ``json.loads`` per hit, paid for safety;
+* capacity by entry count, total bytes and largest value: a value (its JSON bytes plus key) larger than
   ``max_value_bytes`` *or* than ``max_bytes`` — one entry that could never fit the byte budget — is refused with
   :class:`CapacityExceededError` and the store is left as it was (§4.3, §7.3);
 * values are strict JSON: NaN and infinities are refused (``ConfigError``), as are objects JSON cannot encode;
@@ -17,16 +20,24 @@ Semantics (seed 002 §3, §7):
   JSON value encodes to, so no user value can be mistaken for "nothing found";
 * ``update(key, fn)`` refuses re-entry: a ``fn`` that calls this store raises :class:`StateError`;
 * eviction policy ``"lru"``, ``"lfu"`` or ``"hybrid"`` — score ``(1 + a·access_count) / (1 + age/b)``, lowest
-  evicted (§4.2; ``a`` = 0.1, ``b`` = 1000 s by default). LRU is O(1) (an ordered dict in access order); LFU
-  and hybrid score the ``sample`` least recently used entries (default 16, as Redis approximates LFU), or all
-  entries with ``sample=None``.
+  evicted (§4.2; ``a`` = 0.1, ``b`` = 1000 s by default). LRU is O(1) (an ordered dict in access order). LFU
+  and hybrid score the ``sample`` *least recently used* entries (default 16), or all entries with
+  ``sample=None``, and evict the lowest score; the key being set is never its own victim. This is not Redis's
+  approximation: Redis's ``allkeys-lfu`` samples ``maxmemory-samples`` (default 5) *random* keys into an
+  eviction pool, and its 8-bit logarithmic counter decays with idle time (``lfu-decay-time``). Here the
+  candidates are the LRU tail, so a hot entry that was read recently is never even scored, and
+  ``access_count`` is an exact count that never decays (only the hybrid score's age term discounts it; an
+  overwrite resets it).
+
+The write path is the hot path (issue 29 item 3): an overwrite reuses the entry's list in place (no new object
+for the garbage collector to track), the per-call counters are plain ints (:attr:`TTLStore.stats` merges them),
+and the payload is the encoder's text itself (no ``.encode()`` copy).
 """
 
 from __future__ import annotations
 
 import heapq
 import json
-import json.encoder
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -34,15 +45,11 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
-from memos_ref.errors import (
-    ArgumentTypeError,
-    CapacityExceededError,
-    ConfigError,
-    KVCacheError,
-    StateError,
-    check_type,
-)
+from memos_ref.errors import ArgumentTypeError, CapacityExceededError, ConfigError, StateError, check_type
 from memos_ref.lru import SizedLRU
+from memos_ref.memory.values import MAX_KEY as _MAX_KEY
+from memos_ref.memory.values import MISSING, AbsentKeyError, encode_value, json_text, validate_key
+from memos_ref.memory.values import NEGATIVE as _NEGATIVE
 from memos_ref.resilient import validate_ttl
 
 __all__ = ["MISSING", "POLICIES", "AbsentKeyError", "KVEntry", "TTLStore", "encode_value", "json_text", "validate_key"]
@@ -53,97 +60,12 @@ DEFAULT_MAX_ENTRIES = 10_000
 DEFAULT_MAX_BYTES = 64 * 2**20
 
 
-class AbsentKeyError(KVCacheError, KeyError):
-    """``ttl()`` of a key with no live value (absent, expired, negatively cached, or unreachable on Redis): a
-    package error that is still the ``KeyError`` the store's contract names."""
-
-    def __str__(self) -> str:
-        key = self.args[0] if self.args else ""
-        text = key if isinstance(key, str) else repr(key)
-        return f"no live value for key {text[:80]!r}" + (f" ({len(text)} characters)" if len(text) > 80 else "")
-
-
-_MAX_KEY = 250
-
-
-def _json_text_fn() -> Callable[[Any], str]:
-    """Compact, strict JSON text (no NaN or infinities), as ``json.dumps(value, separators=(",", ":"),
-    allow_nan=False)`` writes it, from one C encoder built once (``json.dumps`` with any option builds a new
-    encoder, and ``JSONEncoder.encode`` a new C encoder, on every call). Without the circular-reference check: a
-    cycle ends in RecursionError, which :func:`encode_value` refuses like any value nested too deeply."""
-    proto = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-    make = json.encoder.c_make_encoder
-    if make is None:  # pragma: no cover - CPython always has the C accelerator
-        return proto.encode
-    args = (proto.default, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, False)
-    encoder = make(None, *args)
-    join = "".join
-
-    def json_text(value: Any) -> str:
-        if isinstance(value, str):  # the C encoder answers a bare string as a 1-tuple
-            return json.encoder.encode_basestring_ascii(value)
-        return join(encoder(value, 0))
-
-    return json_text
-
-
-#: ``value`` as compact, strict JSON text (see :func:`_json_text_fn`); the memory benchmark gives its
-#: cachetools peer this same function, so both sides pay the same JSON copy.
-json_text = _json_text_fn()
-#: The payload of a negatively cached key: no JSON value encodes to zero bytes.
-_NEGATIVE = b""
-
-
-class _Missing:
-    """The type of :data:`MISSING` (one instance; no JSON document decodes to it)."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "MISSING"
-
-
-#: What a lookup answers for a key that holds a cached "nothing found" (``get_or_compute``'s negative caching).
-#: A private object: it is never equal to a value a user stored, and decoding JSON can never produce it.
-MISSING = _Missing()
-
-
-def validate_key(key: str) -> str:
-    """Keys become Redis keys: printable, no whitespace or control characters, at most 250 characters."""
-    # str.isprintable() is False for every whitespace character except the ASCII space, checked separately.
-    if not isinstance(key, str):
-        raise ArgumentTypeError(f"key: expected str, got {type(key).__name__} ({key!r:.80})")
-    if not 0 < len(key) <= _MAX_KEY or not key.isprintable() or " " in key:
-        raise ConfigError(
-            f"invalid key {key!r:.80} ({len(key)} characters): expected 1-{_MAX_KEY} printable characters"
-            " without whitespace"
-        )
-    return key
-
-
-def encode_value(key: str, value: Any, max_value_bytes: int) -> bytes:
-    """``value`` as compact JSON, refused when not JSON-serialisable or when it (with its key) exceeds
-    ``max_value_bytes`` (seed 002 §4.3, §7.3)."""
-    try:
-        payload = json_text(value).encode()
-    except (TypeError, ValueError, RecursionError) as exc:  # ValueError: NaN, a cycle; RecursionError: too deep
-        raise ConfigError(f"value for {key!r} is not JSON-serialisable: {type(exc).__name__}: {exc}") from None
-    size = len(payload) + len(key)
-    if size > max_value_bytes:
-        raise CapacityExceededError(
-            f"value for {key!r} is {size} bytes; the largest allowed is {max_value_bytes}",
-            needed=size,
-            capacity=max_value_bytes,
-        )
-    return payload
-
-
 @dataclass(slots=True, init=False)
 class KVEntry:
     """One entry's metadata and payload. ``size_bytes``: the JSON value plus the key (computed when not given)."""
 
     key: str
-    payload: bytes  # the value as JSON (empty: a negatively cached key)
+    payload: str  # the value as JSON text, ASCII only (empty: a negatively cached key)
     expire_at: float | None
     access_count: int
     last_access: float
@@ -154,7 +76,7 @@ class KVEntry:
     def __init__(
         self,
         key: str,
-        payload: bytes,
+        payload: str,
         expire_at: float | None,
         access_count: int,
         last_access: float,
@@ -170,6 +92,7 @@ class KVEntry:
 # An entry is kept as a list (built in one step, mutated in place; a KVEntry is made only for inspection):
 _PAYLOAD, _EXPIRE, _COUNT, _LAST, _CREATED, _VERSION, _SIZE = range(7)
 _entry_size = itemgetter(_SIZE)
+_heappush = heapq.heappush
 
 
 def _as_entry(key: str, e: list) -> KVEntry:
@@ -232,8 +155,22 @@ class TTLStore:
         self._entries: SizedLRU[list] = SizedLRU(_entry_size)  # least recently used first
         self._heap: list[tuple[float, int, str]] = []  # (expire_at, version, key)
         self._version = 0
-        self.stats: Counter[str] = Counter()
+        self._heap_cap = 64
+        # event counters: the three of every call as plain ints (a Counter's ``+= 1`` costs about three times a
+        # dict's on CPython 3.11), the rare ones in a Counter; :attr:`stats` merges them
+        self._sets = self._hits = self._misses = 0
+        self._events: Counter[str] = Counter()
         self._in_fn = False  # True while update()'s fn runs: a call back into this store is refused
+
+    @property
+    def stats(self) -> Counter[str]:
+        """The event counters (a snapshot): ``sets``, ``hits``, ``misses``, ``expirations``, ``deletes``,
+        ``evictions_entries``, ``evictions_bytes`` — each present once it is non-zero."""
+        out = Counter(self._events)
+        for name, count in (("sets", self._sets), ("hits", self._hits), ("misses", self._misses)):
+            if count:
+                out[name] = count
+        return out
 
     @property
     def bytes(self) -> int:
@@ -254,7 +191,7 @@ class TTLStore:
     def _remove(self, key: str, reason: str | None = None) -> None:
         self._entries.pop(key)
         if reason:
-            self.stats[reason] += 1
+            self._events[reason] += 1
 
     def set(self, key: str, value: Any, ttl: float | None = ...) -> None:  # type: ignore[assignment]
         """Store ``value`` (JSON-serialisable) for ``ttl`` seconds (default: the store's); resets its count.
@@ -263,13 +200,14 @@ class TTLStore:
         payload = self.encode(key, value)
         self.put_encoded(key, payload, validate_ttl(self.default_ttl if ttl is ... else ttl))
 
-    def encode(self, key: str, value: Any) -> bytes:
-        """``value``'s stored form for ``key``: the key validated, the value as compact JSON within
-        :attr:`max_item_bytes` (refused with :class:`ConfigError` / :class:`CapacityExceededError`)."""
+    def encode(self, key: str, value: Any) -> str:
+        """``value``'s stored form for ``key``: the key validated, the value as compact JSON text (ASCII, so its
+        length is its size in bytes) within :attr:`max_item_bytes` (refused with :class:`ConfigError` /
+        :class:`CapacityExceededError`)."""
         if type(key) is not str or not 0 < len(key) <= _MAX_KEY or " " in key or not key.isprintable():
             validate_key(key)  # raises, saying why
         try:
-            payload = json_text(value).encode()
+            payload = json_text(value)
         except (TypeError, ValueError, RecursionError):
             payload = encode_value(key, value, self.max_item_bytes)  # raises the error, with its message
         if len(payload) + len(key) <= self.max_item_bytes:
@@ -288,29 +226,36 @@ class TTLStore:
     def set_under(self, lock: Any, key: str, value: Any, ttl: float | None) -> None:
         """:meth:`set` for :class:`ShardedStore`: encode ``value`` (validating ``key``) outside ``lock`` — a
         context manager, the shard's lock — then write under it. ``ttl`` is already validated."""
-        if type(key) is str and 0 < len(key) <= _MAX_KEY and " " not in key and key.isprintable():
-            try:  # the common case of encode(), inline (one call less on the hot path)
-                payload = json_text(value).encode()
-            except (TypeError, ValueError, RecursionError):
-                payload = self.encode(key, value)  # raises, saying why
-            if len(payload) + len(key) > self.max_item_bytes:
-                payload = self.encode(key, value)  # raises, saying why
-        else:
+        # encode(), inline (one call less on the hot path)
+        if type(key) is not str or not 0 < len(key) <= _MAX_KEY or " " in key or not key.isprintable():
+            validate_key(key)  # raises, saying why
+        try:
+            payload = json_text(value)
+        except (TypeError, ValueError, RecursionError):
             payload = self.encode(key, value)  # raises, saying why
+        size = len(payload) + len(key)
+        if size > self.max_item_bytes:
+            self.encode(key, value)  # raises, saying why
         with lock:
             if self._in_fn:
                 self._check_reentry()
+            # put_encoded's body, inline (this is the hot path of every ShardedStore.set)
             now = self.clock()
             entries = self._entries
             version = self._version = self._version + 1
-            size = len(payload) + len(key)
-            if ttl is None:
-                old = entries.put(key, [payload, None, 0, now, now, version, size])
-            else:
-                expire_at = now + ttl
-                old = entries.put(key, [payload, expire_at, 0, now, now, version, size])
-                heapq.heappush(self._heap, (expire_at, version, key))
-            self.stats["sets"] += 1
+            expire_at = None if ttl is None else now + ttl
+            old = entries.get(key)
+            if old is None:
+                entries.put(key, [payload, expire_at, 0, now, now, version, size])
+            else:  # an overwrite reuses the entry's list: no new object for the garbage collector to track
+                entries.total += size - old[_SIZE]
+                old[:] = payload, expire_at, 0, now, now, version, size
+                entries.touch(key)
+            if expire_at is not None:
+                _heappush(self._heap, (expire_at, version, key))
+                if len(self._heap) > self._heap_cap:
+                    self._compact_heap()
+            self._sets += 1
             if entries.total > self.max_bytes or (old is None and len(entries) > self.max_entries):
                 self._evict_to_fit(protect=key)  # an overwrite adds no entry: only its bytes can overflow
 
@@ -321,21 +266,28 @@ class TTLStore:
         validate_key(key)
         self.put_encoded(key, _NEGATIVE, validate_ttl(ttl))
 
-    def put_encoded(self, key: str, payload: bytes, ttl: float | None) -> None:
+    def put_encoded(self, key: str, payload: str, ttl: float | None) -> None:
         """The write path of :meth:`set` for a ``payload`` that :meth:`encode` made and a ``ttl`` already
-        validated (:class:`ShardedStore` encodes outside its shard lock and writes under it)."""
+        validated (:class:`ShardedStore` encodes outside its shard lock and writes under it). The new value is
+        the most recently used entry, with a zero count; the entry it replaces is evicted by no policy."""
         now = self.clock()
         entries = self._entries
         version = self._version = self._version + 1
         size = len(payload) + len(key)
-        if ttl is None:
-            entries.put(key, [payload, None, 0, now, now, version, size])  # replaces, as the most recent
-        else:
-            expire_at = now + ttl
+        expire_at = None if ttl is None else now + ttl
+        old = entries.get(key)
+        if old is None:
             entries.put(key, [payload, expire_at, 0, now, now, version, size])
-            heapq.heappush(self._heap, (expire_at, version, key))
-        self.stats["sets"] += 1
-        if len(entries) > self.max_entries or entries.total > self.max_bytes:
+        else:  # reused in place, as in set_under
+            entries.total += size - old[_SIZE]
+            old[:] = payload, expire_at, 0, now, now, version, size
+            entries.touch(key)
+        if expire_at is not None:
+            _heappush(self._heap, (expire_at, version, key))
+            if len(self._heap) > self._heap_cap:
+                self._compact_heap()
+        self._sets += 1
+        if entries.total > self.max_bytes or (old is None and len(entries) > self.max_entries):
             self._evict_to_fit(protect=key)
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -353,18 +305,18 @@ class TTLStore:
             validate_key(key)  # raises, saying why
         entry = self._entries.get(key)
         if entry is None:
-            self.stats["misses"] += 1
+            self._misses += 1
             return absent
         now = self.clock()
         expire_at = entry[_EXPIRE]
         if expire_at is not None and now >= expire_at:
             self._remove(key, "expirations")
-            self.stats["misses"] += 1
+            self._misses += 1
             return absent
         entry[_COUNT] += 1
         entry[_LAST] = now
         self._entries.touch(key)
-        self.stats["hits"] += 1
+        self._hits += 1
         payload = entry[_PAYLOAD]
         return json.loads(payload) if payload else MISSING
 
@@ -393,7 +345,7 @@ class TTLStore:
     def clear(self) -> None:
         """Drop every entry (counted as ``deletes``)."""
         self._check_reentry()
-        self.stats["deletes"] += len(self._entries)
+        self._events["deletes"] += len(self._entries)
         self._entries.clear()
         self._heap.clear()
 
@@ -448,10 +400,16 @@ class TTLStore:
             if entry is not None and entry[_VERSION] == version:  # else: stale (overwritten or deleted)
                 self._remove(key, "expirations")
                 removed += 1
-        if len(self._heap) > 4 * max(16, len(self._entries)):  # too many stale entries: rebuild
-            self._heap = [(e[_EXPIRE], e[_VERSION], k) for k, e in self._entries.items() if e[_EXPIRE] is not None]
-            heapq.heapify(self._heap)
+        if len(self._heap) > self._heap_cap:  # too many stale records: rebuild
+            self._compact_heap()
         return removed
+
+    def _compact_heap(self) -> None:
+        """Rebuild the expiry heap from the live entries (stale records dropped); the next rebuild comes when it
+        holds four times as many records again (at least 64), so the rebuilds cost O(1) per write amortised."""
+        self._heap = [(e[_EXPIRE], e[_VERSION], k) for k, e in self._entries.items() if e[_EXPIRE] is not None]
+        heapq.heapify(self._heap)
+        self._heap_cap = max(64, 4 * len(self._heap))
 
     def score(self, entry: KVEntry, now: float) -> float:
         """Higher is more worth keeping."""
