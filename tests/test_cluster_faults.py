@@ -1,6 +1,7 @@
 """Faults on a real 6-node Redis Cluster of its own (the suite's one extra cluster): a hung master (SIGSTOP, then
-SIGCONT) and a killed master (its replica promoted) while requests run through the cluster tier. Each fails if
-the tier raises into the engine, loses a request or serves different tokens."""
+SIGCONT), a slot range migrated (ASK, MOVED) and a killed master (its replica promoted) while an engine's requests
+run through the cluster tier. Each fails if the tier raises into the engine, loses a request or serves different
+tokens (memos_ref/bench/cluster_faults.py runs the rounds and counts)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,55 @@ def test_a_hung_master_costs_one_timeout_then_is_left_alone(fault_cluster):
     assert b.slowest_call_s < 0.2 * 10  # bounded by the timeout (with scheduling slack on a loaded machine)
     fault_cluster.wait_healthy(30)
     b.close()
+
+
+# A tier call waits on one hung node at most twice (failure_threshold=2 timeouts, then the node is left alone),
+# plus scheduling slack on a loaded 2-core machine; far below a pause (5 s), which an unbounded call would wait out.
+SLACK_S = 2.0
+
+
+def _no_request_lost_or_wrong(report: dict) -> None:
+    # every request finished (none failed), with the tokens of the same prompts served together without a tier,
+    # and no tier call raised (into the engine, which counts tier_errors, or into the caller)
+    got = {k: report[k] for k in ("requests_lost", "wrong_kv", "tier_errors", "calls_raised")}
+    assert report["requests"] > 0 and got == dict.fromkeys(got, 0)
+
+
+def test_a_slot_range_migrated_while_requests_run(fault_cluster):
+    """The slots holding one master's share of the prompts' blocks migrate to another master between rounds of
+    in-flight requests: half-way (values moved: ASK), then done (the tier client's stale slot map: MOVED). Reads
+    follow both; writes into a migrating slot are dropped and counted; nothing is lost or wrong."""
+    from memos_ref.bench.cluster import migration
+
+    fault_cluster.wait_healthy(30)
+    r = migration(fault_cluster, "faults-mig", requests=3, new=3, timeout=0.5)
+    _no_request_lost_or_wrong(r)
+    assert r["slots_migrated"] >= 1 and r["moved_to_new_owner"]  # the blocks' slots now belong to the new owner
+    assert r["errors_by_kind"].get("ask", 0) >= 1 and r["errors_by_kind"].get("moved", 0) >= 1
+    assert r["redirect_retries"] >= 1  # redirected reads, through the cluster client
+    # another agent's writes into the migrating slots (ASK on a write script) are dropped and counted, not raised
+    assert r["probe_writes"] > 0 and r["probe_dropped"] >= 1 and r["dropped_writes"] >= r["probe_dropped"]
+    assert r["after_reused_tokens"] == 16 * r["full_blocks"]  # every block is served again from its new owner
+    assert r["slowest_call_s"] <= 2 * r["timeout_s"] + SLACK_S
+    assert fault_cluster.healthy()
+
+
+def test_a_master_stopped_then_continued_while_requests_run(fault_cluster):
+    """The master holding the first prompt's first block is SIGSTOPped while a round of requests runs and
+    SIGCONTed by a timer 5 s later (its replica may be promoted meanwhile): its blocks are misses after a bounded
+    wait, its writes are dropped, every request finishes with the tokens of a run without the tier."""
+    from memos_ref.bench.cluster import hung_node
+
+    fault_cluster.wait_healthy(30)
+    r = hung_node(fault_cluster, "faults-stop", requests=3, new=3, timeout=0.3, pause_s=5.0)
+    _no_request_lost_or_wrong(r)
+    assert r["slowest_call_s"] <= 2 * r["timeout_s"] + SLACK_S < r["pause_s"]  # no call waited for the SIGCONT
+    assert r["errors_by_kind"].get("timeout", 0) >= 1  # the stopped node was met, and timed out
+    assert r["misses"] >= 1  # its blocks were read as misses (that prompt recomputed them)
+    paused, resumed = r["rounds"][1], r["rounds"][2]
+    assert paused["reused_tokens"] < 16 * r["full_blocks"] and resumed["reused_tokens"] > 0
+    assert r["dropped_writes"] >= 1  # the writes it owned (republished blocks, another agent's) dropped, counted
+    fault_cluster.wait_healthy(30)
 
 
 def test_killed_master_fails_over_without_lost_requests_or_wrong_tokens(fault_cluster):

@@ -10,6 +10,8 @@
   moved, the time to move them, the decode process's time to first token.
 * Failover: a master is killed while an engine serves requests through the tier: requests lost, wrong tokens,
   and the misses and dropped writes counted in the failover window.
+* A slot range migrated (``ASK``, then ``MOVED``) and a master SIGSTOPped then SIGCONTed while requests run
+  (:mod:`memos_ref.bench.cluster_faults`): the same figures, and the slowest tier call against its timeout.
 * Throughput of block reads and writes (32 KiB blocks, pipelined per node), interleaved rounds, min-max.
 """
 
@@ -332,6 +334,35 @@ def failover(cluster: Any, namespace: str, requests: int = 6, new: int = 4, time
     }
 
 
+def fault_prompts(requests: int) -> list[list[int]]:
+    """The fault runs' prompts: ``requests`` agents' notes of 60-(40 + 20 * requests) characters of the system
+    prompt (4-8 full blocks each)."""
+    from memos_ref.model.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    return [[tok.bos_id, *tok.encode(f"Agent {i} notes: " + SYSTEM[: 60 + 20 * i])] for i in range(requests)]
+
+
+def migration(cluster: Any, namespace: str, requests: int = 3, new: int = 3, timeout: float = 0.2) -> dict[str, Any]:
+    """A slot range migrated while requests run (:func:`~memos_ref.bench.cluster_faults.migrate_slots_mid_run`)."""
+    from memos_ref.bench.cluster_faults import migrate_slots_mid_run
+
+    load_shared_model()
+    return migrate_slots_mid_run(_MODEL["shipped"], cluster, namespace, fault_prompts(requests), new, timeout)
+
+
+def hung_node(
+    cluster: Any, namespace: str, requests: int = 3, new: int = 3, timeout: float = 0.2, pause_s: float = 5.0
+) -> dict[str, Any]:
+    """A master SIGSTOPped, then SIGCONTed, while requests run
+    (:func:`~memos_ref.bench.cluster_faults.hung_node_mid_run`)."""
+    from memos_ref.bench.cluster_faults import hung_node_mid_run
+
+    load_shared_model()
+    model = _MODEL["shipped"]
+    return hung_node_mid_run(model, cluster, namespace, fault_prompts(requests), new, timeout, pause_s)
+
+
 def run(quick: bool = False, progress: bool = False) -> dict[str, Any]:
     from memos_ref.tiering.cluster_server import ClusterServer
 
@@ -341,6 +372,9 @@ def run(quick: bool = False, progress: bool = False) -> dict[str, Any]:
         dis = disaggregated(cluster.url, "bench-pd", new)
         with ClusterServer(1, 0) as single:
             tput = throughput({1: single.url, 3: cluster.url}, 3 if quick else 7, 32 if quick else 128)
+        mig = migration(cluster, "bench-mig", 3 if quick else 6, new, timeout=0.5)
+        stop = hung_node(cluster, "bench-stop", 3 if quick else 6, new, timeout=0.3)
+        cluster.wait_healthy(60)
         fo = failover(cluster, "bench-fo", 4 if quick else 8, new)
     summary = {
         "cross_process_reused_tokens": cp["cross_process_reused_tokens"],
@@ -362,10 +396,15 @@ def run(quick: bool = False, progress: bool = False) -> dict[str, Any]:
         "slowest_call_s": fo["slowest_call_s"],
         **{k: v for k, v in tput.items() if k.startswith(("read_", "write_"))},
     }
+    for name, r in (("migration", mig), ("sigstop", stop)):  # the fault rows: lost, wrong, misses, slowest call
+        for k in ("requests", "requests_lost", "wrong_kv", "misses", "dropped_writes", "slowest_call_s", "timeout_s"):
+            summary[f"{name}_{k}"] = r[k]
     results = [
         {"part": "cross_process", **{k: v for k, v in cp.items() if k not in ("a", "b")}},
         {"part": "disaggregated", **{k: v for k, v in dis.items() if k not in ("prefill", "decode")}},
         {"part": "throughput", **tput},
+        {"part": "migration", **mig},
+        {"part": "sigstop", **stop},
         {"part": "failover", **fo},
     ]
     config = {"quick": quick, "masters": 3, "replicas": 1, "node_timeout_ms": 1000, "block_size": 16}
