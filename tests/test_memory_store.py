@@ -269,8 +269,8 @@ def test_public_accessors_for_inspection():
     store = TTLStore(clock=clock, default_ttl=60)
     store.set("a", 1)
     store.set("b", 2)
-    store.set("a", 3)  # the overwrite leaves a stale heap record behind
-    assert store.heap_size == 3 and len(store) == 2
+    store.set("a", 3)  # the overwrite (same expiry) keeps a's heap record: one record per entry
+    assert store.heap_size == 2 and len(store) == 2
     entries = store.entries()
     assert [e.key for e in entries] == ["b", "a"]  # least recently used first
     assert store.bytes == sum(e.size_bytes for e in entries)
@@ -383,3 +383,33 @@ def test_an_overwritten_key_becomes_the_most_recently_used(policy):
         assert [e.key for e in shard.entries()] == ["b", "c", "a"], name
         store.set("d", "d")
         assert sorted(e.key for e in shard.entries()) == ["a", "c", "d"], name
+
+
+def test_sweep_removes_exactly_the_expired_entries_whatever_the_overwrites_did_to_their_expiry():
+    """Overwrites move a key's expiry later, earlier or to never; deletes come and go. After every sweep the store
+    holds exactly the keys a model (key -> expiry) says are live, and sweep's count is the number that expired
+    since the last one: an expiry moved earlier is never missed, one moved later is never cut short."""
+    import random
+
+    for name, store, shard, clock in _write_paths(default_ttl=None, max_entries=1_000):
+        rng = random.Random(7)
+        model: dict[str, float | None] = {}
+        for step in range(3_000):
+            key = f"k{rng.randrange(40)}"
+            roll = rng.random()
+            if roll < 0.7:
+                ttl = rng.choice([None, 0.5, 1.0, 3.0, 10.0, 30.0])
+                store.set(key, step, ttl)
+                model[key] = None if ttl is None else clock.now + ttl
+            elif roll < 0.8:
+                store.delete(key)
+                model.pop(key, None)
+            elif roll < 0.9:
+                clock.now += rng.choice([0.25, 1.0, 2.0])
+            else:
+                expired = {k for k, t in model.items() if t is not None and clock.now >= t}
+                assert shard.sweep() == len(expired), (name, step)
+                for k in expired:
+                    del model[k]
+                assert {e.key for e in shard.entries()} == set(model), (name, step)
+            assert shard.heap_size <= 4 * 40, name  # rebuilt at 4x the live entries (at most 40 keys)

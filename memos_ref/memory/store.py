@@ -5,9 +5,9 @@ Semantics (seed 002 §3, §7):
 
 * ``set`` stores a value with a TTL; overwriting resets ``access_count`` and restarts the TTL;
 * ``get`` never extends the TTL (§7.2's bug) and expires lazily; ``sweep()`` pops an expiry min-heap instead of
-  scanning everything (stale heap entries — overwritten or deleted keys — are skipped by a version check); the
-  heap is rebuilt from the live entries when it outgrows four times their number, so overwrites that never
-  evict cannot grow it without bound;
+  scanning everything: each entry holds one heap record, due no later than it expires (an overwrite that
+  moves the expiry later keeps it, and sweep moves it on), and records of deleted or evicted keys are skipped;
+  the heap is rebuilt from the live entries when it outgrows four times their number, so it stays bounded;
 * values are stored as compact JSON text, ASCII only (non-ASCII characters escaped), so a payload's length is
   its size in bytes; every ``get`` decodes a fresh copy, so a caller can never mutate the stored value (§7.1's
   bug); the cost is one ``json.loads`` per hit, paid for safety;
@@ -30,8 +30,9 @@ Semantics (seed 002 §3, §7):
   overwrite resets it).
 
 The write path is the hot path (issue 29 item 3): an overwrite reuses the entry's list in place (no new object
-for the garbage collector to track), the per-call counters are plain ints (:attr:`TTLStore.stats` merges them),
-and the payload is the encoder's text itself (no ``.encode()`` copy).
+for the garbage collector to track) and, when its expiry moves later, its heap record (no push); the per-call
+counters are plain ints (:attr:`TTLStore.stats` merges them); the payload is the encoder's text itself (no
+``.encode()`` copy).
 """
 
 from __future__ import annotations
@@ -89,14 +90,15 @@ class KVEntry:
         self.size_bytes = len(payload) + len(key) if size_bytes < 0 else size_bytes
 
 
-# An entry is kept as a list (built in one step, mutated in place; a KVEntry is made only for inspection):
-_PAYLOAD, _EXPIRE, _COUNT, _LAST, _CREATED, _VERSION, _SIZE = range(7)
+# An entry is kept as a list (built in one step, mutated in place; a KVEntry is made only for inspection). Its
+# last slot is its record in the expiry heap, ``(due, version, key)``, or None (no expiry): see TTLStore.sweep.
+_PAYLOAD, _EXPIRE, _COUNT, _LAST, _CREATED, _VERSION, _SIZE, _RECORD = range(8)
 _entry_size = itemgetter(_SIZE)
 _heappush = heapq.heappush
 
 
 def _as_entry(key: str, e: list) -> KVEntry:
-    return KVEntry(key, *e)
+    return KVEntry(key, *e[:_RECORD])
 
 
 class TTLStore:
@@ -245,16 +247,18 @@ class TTLStore:
             version = self._version = self._version + 1
             expire_at = None if ttl is None else now + ttl
             old = entries.get(key)
+            record = None if old is None else old[_RECORD]
+            if expire_at is not None and (record is None or record[0] > expire_at):
+                record = (expire_at, version, key)  # else the entry's record, due no later, stands (see sweep)
+                _heappush(self._heap, record)
             if old is None:
-                entries.put(key, [payload, expire_at, 0, now, now, version, size])
+                entries.put(key, [payload, expire_at, 0, now, now, version, size, record])
             else:  # an overwrite reuses the entry's list: no new object for the garbage collector to track
                 entries.total += size - old[_SIZE]
-                old[:] = payload, expire_at, 0, now, now, version, size
+                old[:] = payload, expire_at, 0, now, now, version, size, record
                 entries.touch(key)
-            if expire_at is not None:
-                _heappush(self._heap, (expire_at, version, key))
-                if len(self._heap) > self._heap_cap:
-                    self._compact_heap()
+            if len(self._heap) > self._heap_cap:
+                self._compact_heap()
             self._sets += 1
             if entries.total > self.max_bytes or (old is None and len(entries) > self.max_entries):
                 self._evict_to_fit(protect=key)  # an overwrite adds no entry: only its bytes can overflow
@@ -276,16 +280,18 @@ class TTLStore:
         size = len(payload) + len(key)
         expire_at = None if ttl is None else now + ttl
         old = entries.get(key)
+        record = None if old is None else old[_RECORD]
+        if expire_at is not None and (record is None or record[0] > expire_at):
+            record = (expire_at, version, key)  # as in set_under
+            _heappush(self._heap, record)
         if old is None:
-            entries.put(key, [payload, expire_at, 0, now, now, version, size])
+            entries.put(key, [payload, expire_at, 0, now, now, version, size, record])
         else:  # reused in place, as in set_under
             entries.total += size - old[_SIZE]
-            old[:] = payload, expire_at, 0, now, now, version, size
+            old[:] = payload, expire_at, 0, now, now, version, size, record
             entries.touch(key)
-        if expire_at is not None:
-            _heappush(self._heap, (expire_at, version, key))
-            if len(self._heap) > self._heap_cap:
-                self._compact_heap()
+        if len(self._heap) > self._heap_cap:
+            self._compact_heap()
         self._sets += 1
         if entries.total > self.max_bytes or (old is None and len(entries) > self.max_entries):
             self._evict_to_fit(protect=key)
@@ -387,28 +393,48 @@ class TTLStore:
 
     @property
     def heap_size(self) -> int:
-        """Records in the expiry heap, stale ones (overwritten or deleted keys) included until a sweep."""
+        """Records in the expiry heap: one per entry with an expiry, plus stale ones (deleted or evicted keys, or
+        replaced by a record due earlier) until a sweep or a rebuild."""
         return len(self._heap)
 
     # ------------------------------------------------------------------ expiry and eviction
     def sweep(self) -> int:
-        """Remove every expired entry by popping the expiry heap; returns how many were removed."""
-        now, removed = self.clock(), 0
-        while self._heap and self._heap[0][0] <= now:
-            _, version, key = heapq.heappop(self._heap)
+        """Remove every expired entry by popping the expiry heap; returns how many were removed.
+
+        Every entry with an expiry holds one record in the heap, due no later than the entry expires: an
+        overwrite that moves the expiry later keeps the record it has (no push on the common path of ``set``),
+        one that moves it earlier pushes a new one. A popped record that is not its entry's (deleted, evicted,
+        replaced) is skipped; an entry whose record falls due before it expires gets a record at its expiry."""
+        now, removed, heap = self.clock(), 0, self._heap
+        while heap and heap[0][0] <= now:
+            record = heapq.heappop(heap)
+            key = record[2]
             entry = self._entries.get(key)
-            if entry is not None and entry[_VERSION] == version:  # else: stale (overwritten or deleted)
+            if entry is None or entry[_RECORD] is not record:
+                continue  # stale: deleted, evicted, or replaced by a record due earlier
+            expire_at = entry[_EXPIRE]
+            if expire_at is None:  # overwritten with no expiry
+                entry[_RECORD] = None
+            elif now >= expire_at:
                 self._remove(key, "expirations")
                 removed += 1
-        if len(self._heap) > self._heap_cap:  # too many stale records: rebuild
+            else:  # overwritten with a later expiry: the record moves there (due after now: the loop ends)
+                entry[_RECORD] = (expire_at, entry[_VERSION], key)
+                _heappush(heap, entry[_RECORD])
+        if len(heap) > self._heap_cap:  # too many stale records: rebuild
             self._compact_heap()
         return removed
 
     def _compact_heap(self) -> None:
         """Rebuild the expiry heap from the live entries (stale records dropped); the next rebuild comes when it
         holds four times as many records again (at least 64), so the rebuilds cost O(1) per write amortised."""
-        self._heap = [(e[_EXPIRE], e[_VERSION], k) for k, e in self._entries.items() if e[_EXPIRE] is not None]
-        heapq.heapify(self._heap)
+        heap = []
+        for key, entry in self._entries.items():
+            entry[_RECORD] = None if entry[_EXPIRE] is None else (entry[_EXPIRE], entry[_VERSION], key)
+            if entry[_RECORD] is not None:
+                heap.append(entry[_RECORD])
+        heapq.heapify(heap)
+        self._heap = heap
         self._heap_cap = max(64, 4 * len(self._heap))
 
     def score(self, entry: KVEntry, now: float) -> float:
