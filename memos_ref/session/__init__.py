@@ -6,7 +6,8 @@ the memory, the model and the registry of system prompts and memories. The packa
 * :mod:`~memos_ref.session.segments` — the one session token layout (:class:`SegmentKind`, :class:`Segment`,
   :class:`SessionLayout`, :func:`tool_set_key`), used by sessions and by the tiering simulator;
 * :mod:`~memos_ref.session.manager` — :class:`SessionManager` and :class:`Memory`;
-* :mod:`~memos_ref.session.session` — :class:`CacheSession` (append, generate, fork, compact, suspend/resume);
+* :mod:`~memos_ref.session.session` — :class:`CacheSession` (append, generate, fork, compact, suspend/resume) and
+  :class:`SessionHost`, what a session needs of its manager (a Protocol: the session never imports the manager);
 * :mod:`~memos_ref.session.persist` — save/load (safetensors + a checksummed JSON manifest; untrusted files are
   bounded, confined and never unpickled).
 
@@ -21,7 +22,7 @@ from memos_ref.session.persist import (
     manifest_checksum,
 )
 from memos_ref.session.segments import Segment, SegmentKind, SessionLayout, block_kinds, segment_kind, tool_set_key
-from memos_ref.session.session import CacheSession
+from memos_ref.session.session import CacheSession, SessionHost
 
 __all__ = [
     "MANIFEST_VERSION",
@@ -31,6 +32,7 @@ __all__ = [
     "Memory",
     "Segment",
     "SegmentKind",
+    "SessionHost",
     "SessionLayout",
     "SessionManager",
     "block_kinds",

@@ -16,22 +16,56 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from memos_ref.chat import check_text
+from memos_ref.chat import ByteCodec, ChatCodec, check_text
 from memos_ref.errors import OutOfBlocksError, UseAfterFreeError, check_index, check_type
 from memos_ref.hf import PagedCache
 from memos_ref.session.persist import write_session
-from memos_ref.session.segments import Plan, Segment, SegmentKind, block_kinds, place, segment_kind
+from memos_ref.session.segments import Plan, Segment, SegmentKind, SessionLayout, block_kinds, place, segment_kind
+from memos_ref.spec import KVSpec
 
 if TYPE_CHECKING:
-    from memos_ref.session.manager import SessionManager
+    from memos_ref.paged.store import PagedKV
+    from memos_ref.tiering.manager import TierManager
 
-__all__ = ["CacheSession"]
+__all__ = ["CacheSession", "SessionHost"]
+
+
+class SessionHost(Protocol):
+    """What a :class:`CacheSession` needs of the manager that started it
+    (:class:`~memos_ref.session.manager.SessionManager` is the one): the shared paged memory and model, the token
+    layout, the tiers, and the registry a session joins. The seam is a Protocol so this module never imports the
+    manager, which imports it."""
+
+    model: Any  # the package's LlamaForward: model(input_ids [1, n], cache) runs a forward into the cache
+    kv: PagedKV
+    spec: KVSpec
+    codec: ByteCodec | ChatCodec
+    layout: SessionLayout
+    fingerprint: str
+    tiering: TierManager | None
+    sessions: weakref.WeakSet[CacheSession]
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The time source (tiering's clock when tiering is on)."""
+        ...
+
+    def encode_segment(
+        self, kind: SegmentKind | str, text: str, history: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The tokens of a segment after ``history``."""
+        ...
+
+    def after_call(self, session: CacheSession) -> None:
+        """Called after each of the session's calls (prefetch learns which session follows which)."""
+        ...
 
 
 class CacheSession:
@@ -39,7 +73,7 @@ class CacheSession:
 
     def __init__(
         self,
-        manager: SessionManager,
+        manager: SessionHost,
         cache: PagedCache | None,
         token_ids: list[int],
         segments: list[Segment],
