@@ -72,7 +72,9 @@ def test_a_slot_range_migrated_while_requests_run(fault_cluster):
     # another agent's writes into the migrating slots (ASK on a write script) are dropped and counted, not raised
     assert r["probe_writes"] > 0 and r["probe_dropped"] >= 1 and r["dropped_writes"] >= r["probe_dropped"]
     assert r["after_reused_tokens"] == 16 * r["full_blocks"]  # every block is served again from its new owner
-    assert r["slowest_call_s"] <= 2 * r["timeout_s"] + SLACK_S
+    # no network wait past the timeout; a public call that meets MOVED makes one round trip per redirected key
+    # (r["slowest_call_s"], reported), so its bound is per round trip
+    assert r["slowest_round_trip_s"] <= r["timeout_s"] + SLACK_S and "timeout" not in r["errors_by_kind"]
     assert fault_cluster.healthy()
 
 

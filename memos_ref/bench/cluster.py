@@ -397,7 +397,8 @@ def run(quick: bool = False, progress: bool = False) -> dict[str, Any]:
         **{k: v for k, v in tput.items() if k.startswith(("read_", "write_"))},
     }
     for name, r in (("migration", mig), ("sigstop", stop)):  # the fault rows: lost, wrong, misses, slowest call
-        for k in ("requests", "requests_lost", "wrong_kv", "misses", "dropped_writes", "slowest_call_s", "timeout_s"):
+        keys = ("requests", "requests_lost", "wrong_kv", "misses", "dropped_writes", "slowest_call_s")
+        for k in (*keys, "slowest_round_trip_s", "timeout_s"):
             summary[f"{name}_{k}"] = r[k]
     results = [
         {"part": "cross_process", **{k: v for k, v in cp.items() if k not in ("a", "b")}},
