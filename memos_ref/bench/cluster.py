@@ -125,7 +125,10 @@ def serve_role(role: str, url: str, namespace: str, tail: str, new: int, repeat:
 
 
 def load_shared_model() -> None:
-    """Load the shipped model into this process's cache (what :class:`ServeProcess` does while it waits)."""
+    """Load the shipped model into this process's cache, and import what an engine needs (transformers, through
+    the engine's cache): what :class:`ServeProcess` does while it waits for its role."""
+    import memos_ref.engine
+    import memos_ref.hf  # noqa: F401 - imported by the first Engine; here it overlaps the wait
     from memos_ref.model import load_model
 
     _MODEL.get("shipped") or _MODEL.setdefault("shipped", load_model())
