@@ -9,8 +9,9 @@ One kernel story per file, each in the Triton tutorials' order — reference (pl
 * :mod:`~memos_kernels.paged_prefill` — chunked prefill through the decode kernels;
 * :mod:`~memos_kernels.copy_blocks` — block copies for copy-on-write and compaction.
 
-:mod:`~memos_kernels.common` holds the shared layout checks, :mod:`~memos_kernels.decode_launch` the decode
-wrappers' input checks, launch configuration and split-K plan, :mod:`~memos_kernels.timing` the one timer,
+:mod:`~memos_kernels.common` holds the shared layout checks, :mod:`~memos_kernels.launch_plan` every launch's
+configuration and the enumeration of the launches the package can make, :mod:`~memos_kernels.decode_launch` the
+decode wrappers' input checks and split-K plan, :mod:`~memos_kernels.timing` the one timer,
 :mod:`~memos_kernels.triton_paged` re-exports every wrapper, :mod:`~memos_kernels.bench` is the GPU benchmark,
 :mod:`~memos_kernels.aot_check` compiles every kernel for a GPU target without one, and
 :mod:`~memos_kernels.cuda` is the decode kernel in CUDA C++. The package imports nothing from ``memos_ref`` but

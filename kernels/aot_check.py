@@ -1,25 +1,25 @@
-"""Compile every Triton kernel for a GPU architecture without a GPU, with the signatures the package's calls would
-get, and report registers, spills and local memory (``python -m memos_kernels.aot_check 90 [--full] [--table]``).
+"""Compile every Triton kernel launch the package can make for a GPU architecture without a GPU, and report
+registers, spills and local memory (``python -m memos_kernels.aot_check 87 90 [--full] [--table]``).
 
 The interpreter that runs the kernel tests on a CPU skips some of the compiler's rules (for example, jit code
 may only read module globals declared ``tl.constexpr``) and says nothing about resources, so this compiles each
 kernel ahead of time for a real target — to PTX and, with the ptxas bundled in Triton, to a cubin — the way
 Triton's launcher would specialize it at run time: integer arguments equal to 1 become constants, the others
 32-bit with a divisibility-by-16 hint where the real value has one (strides of the canonical pool
-``[N, L, 2, H, T, D]``), pointers 16-byte aligned, and the launch's ``num_warps``/``num_stages`` from
-:func:`memos_kernels.paged_decode.decode_config`. ptxas' own report (``-v``) gives each configuration's
-registers, spill stores/loads and stack frame (local memory) per thread.
+``[N, L, 2, H, T, D]``), except the kernels' ``do_not_specialize`` geometry (block size, group), pointers 16-byte
+aligned. ptxas' own report (``-v``) gives each configuration's registers, spill stores/loads and stack frame
+(local memory) per thread.
 
-The default set is the package's hot configurations (fp16/bf16 decode at GQA 4 and 8, head dim 64 and 128,
-blocks 16 and 64, int8/fp8/KIVI decode, the writes, the reduce, block copies); ``--full`` compiles the whole
-matrix: fp16/bf16 × GQA 1/4/8 × block 16/32/64 × head dim 64/128, and KIVI 2 and 4 bits.
+The set is not a hand list: it is :func:`memos_kernels.launch_plan.launches`, the launch planner's enumeration of
+every compilation the wrappers can ask for (element types, head dims, tiles, padded groups, one or several
+splits, warps and stages). ``--full`` compiles all of it; the default compiles its :func:`hot` subset (head dim
+128). Any spill fails the check (``spills``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import itertools
 import json
 import os
 import re
@@ -27,16 +27,19 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["HOT_KERNELS", "Config", "Resources", "compile_all", "configs", "format_table", "spills"]
+from memos_kernels.launch_plan import Launch, launches
 
-HOT_KERNELS = ("decode", "write_kv")  # a spill in these fails the check (the decode step's hot loop)
+__all__ = ["Config", "Resources", "compile_all", "config_for", "configs", "format_table", "format_versions", "hot",
+           "load_results", "spills"]  # fmt: skip
+
 LAYERS = 32  # the pool's layer axis, for realistic strides (Llama-3-8B)
 
 
 @dataclass(frozen=True)
 class Config:
-    """One specialization to compile: the kernel's name in its module, pointer element types (default
-    ``*fp16``), constexprs, integer argument values (as the wrapper would pass them) and the launch options."""
+    """One specialization to compile: the kernel's name in its module, every pointer's element type,
+    constexprs, integer argument values (as the wrapper would pass them), the launch options and the planner's
+    :class:`~memos_kernels.launch_plan.Launch` it compiles."""
 
     name: str
     module: str
@@ -46,6 +49,7 @@ class Config:
     ints: dict[str, int]
     num_warps: int = 4
     num_stages: int = 3
+    launch: Launch | None = None
 
 
 @dataclass(frozen=True)
@@ -65,126 +69,89 @@ class Resources:
         return self.spill_stores > 0 or self.spill_loads > 0
 
 
-def _decode_config(dtype: str, group: int, block: int, head_dim: int, quant: str = "none") -> Config:
-    """The decode split kernel as ``paged_decode_attention`` launches it on a layer view of a 32-layer pool."""
-    import torch
-    from memos_kernels.paged_decode import QUANT_MODES, decode_config
-
-    tdtype = torch.float16 if dtype == "fp16" else torch.bfloat16
-    cfg = decode_config(group, block, head_dim, tdtype)
-    elt = {"fp16": "*fp16", "bf16": "*bf16"}[dtype]
-    pointers = {"q_ptr": elt, "kc_ptr": elt, "vc_ptr": elt, "tables_ptr": "*i32", "lens_ptr": "*i32",
-                "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "ks_ptr": elt, "vs_ptr": elt,
-                "out_ptr": elt}  # fmt: skip
-    s_st = 0
-    if quant == "int8":
-        pointers.update(kc_ptr="*i8", vc_ptr="*i8", ks_ptr="*fp16", vs_ptr="*fp16")
-        s_sb, s_sh, s_st = LAYERS * 2 * 8 * block, block, 1
-    elif quant == "fp8":
-        pointers.update(kc_ptr="*u8", vc_ptr="*u8", ks_ptr="*fp32", vs_ptr="*fp32")
-        s_sb, s_sh = LAYERS * 2 * 8, 1
-    else:
-        s_sb = s_sh = 0
-    ints = dict(
-        s_qb=8 * group * head_dim, s_qh=head_dim,
-        s_cb=LAYERS * 2 * 8 * block * head_dim, s_ch=block * head_dim, s_ct=head_dim,
-        s_sb=s_sb, s_sh=s_sh, s_st=s_st, s_tb=2048 // block, s_tc=1, tokens_per_split=8 * cfg.tile,
-        s_ob=8 * group * head_dim, s_oh=head_dim, width=2048 // block, num_blocks=4096,
-    )  # fmt: skip
-    consts = dict(G=group, GP=cfg.gp, T=block, D=head_dim, TILE=cfg.tile, QUANT=QUANT_MODES[quant], DOT_F32=False,
-                  PREC="tf32", DIRECT=False)  # fmt: skip
-    name = f"decode_{quant if quant != 'none' else dtype}_g{group}_t{block}_d{head_dim}"
-    return Config(name, "paged_decode", "decode_split_kernel", pointers, consts, ints, cfg.num_warps, cfg.num_stages)
+_INDEX_TYPES = {"tables_ptr": "*i32", "lens_ptr": "*i32", "qlens_ptr": "*i32", "slots_ptr": "*i64",
+                "slot_ptr": "*i64", "pairs_ptr": "*i64"}  # the package's own index dtypes  # fmt: skip
 
 
-def _kivi_config(bits: int, group: int, head_dim: int) -> Config:
-    import torch
-    from memos_kernels.kivi_decode import kivi_warps
-    from memos_kernels.paged_decode import decode_config
+def _ints(launch: Launch) -> dict[str, int]:
+    """The integer arguments a wrapper passes for ``launch`` on a layer view of a 32-layer pool with 8 KV heads,
+    2,048-token tables and 4,096 blocks (its runtime geometry from ``launch.example``)."""
+    c, ex, h = dict(launch.consts), dict(launch.example), 8
+    d, t, g = c.get("D", 128), ex.get("T", 16), ex.get("G", 4)
+    tile = c.get("TILE", 64)
+    q = dict(s_qb=h * g * d, s_qh=d)
+    cache = dict(s_cb=LAYERS * 2 * h * t * d, s_ch=t * d, s_ct=d)
+    table = dict(s_tb=2048 // t, s_tc=1, width=2048 // t, num_blocks=4096)
+    kernel = launch.kernel
+    if kernel == "decode_split_kernel":
+        quant = c["QUANT"]
+        scales = [dict(s_sb=0, s_sh=0, s_st=0), dict(s_sb=LAYERS * 2 * h * t, s_sh=t, s_st=1),
+                  dict(s_sb=LAYERS * 2 * h, s_sh=1, s_st=0)][quant]  # fmt: skip
+        return dict(**q, **cache, **scales, **table, tokens_per_split=8 * tile, s_ob=h * g * d, s_oh=d, G=g, T=t,
+                    DIRECT=0)  # fmt: skip
+    if kernel == "decode_reduce_kernel":
+        return dict(s_ob=h * g * d, s_oh=d, num_splits=8, tokens_per_split=512, G=g)
+    if kernel == "decode_kivi_split_kernel":
+        bits, gk, gv = c["BITS"], ex["GK"], min(ex["GV"], d)
+        packed = d * bits // 8
+        return dict(
+            **q, s_cb=LAYERS * h * t * packed, s_ch=t * packed, s_ct=packed,
+            s_kb=LAYERS * h * (t // gk) * d, s_kh=(t // gk) * d, s_kg=d,
+            s_vb=LAYERS * h * t * (d // gv), s_vh=t * (d // gv), s_vt=d // gv,
+            s_fb=LAYERS * 2 * h * t * d, s_fk=h * t * d, s_fh=t * d, s_ft=d,
+            **table, num_staged=512, tokens_per_split=8 * tile, s_ob=h * g * d, s_oh=d,
+            G=g, T=t, GK=gk, GV=gv, DIRECT=0,
+        )  # fmt: skip
+    if kernel == "prefill_kernel":
+        n = 512
+        pq = dict(s_qb=h * g * n * d, s_qh=n * d, s_qq=d)
+        return dict(**pq, s_ob=pq["s_qb"], s_oh=pq["s_qh"], s_oq=d, **cache, **table, num_q=n, G=g, T=t)
+    if kernel.startswith("write_kv"):
+        ints = dict(s_kn=h * d, s_kh=d, s_vn=h * d, s_vh=d, **cache, num_slots=4096 * t, T=t)
+        if kernel == "write_kv_int8_kernel":
+            ints.update(s_sb=LAYERS * 2 * h * t, s_sh=t, s_st=1)
+        elif kernel == "write_kv_fp8_kernel":
+            ints.update(s_sb=LAYERS * 2 * h, s_sh=1, s_st=0)
+        return ints
+    if kernel == "copy_blocks_kernel":
+        return dict(block_numel=2 * h * 16 * 128, num_blocks=4096)
+    raise RuntimeError(f"no integer arguments known for {kernel}: teach aot_check._ints about it")
 
-    block, kg = 32, 32
-    cfg = decode_config(group, block, head_dim, torch.float16)
-    pointers = {"tables_ptr": "*i32", "lens_ptr": "*i32", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
-                "kc_ptr": "*u8", "vc_ptr": "*u8", "slot_ptr": "*i64", "out_ptr": "*fp16"}  # fmt: skip
-    packed = head_dim * bits // 8
-    ints = dict(
-        s_qb=8 * group * head_dim, s_qh=head_dim,
-        s_cb=LAYERS * 8 * block * packed, s_ch=block * packed, s_ct=packed,
-        s_kb=LAYERS * 8 * (block // kg) * head_dim, s_kh=(block // kg) * head_dim, s_kg=head_dim,
-        s_vb=LAYERS * 8 * block * (head_dim // kg), s_vh=block * (head_dim // kg), s_vt=head_dim // kg,
-        s_fb=LAYERS * 2 * 8 * block * head_dim, s_fk=8 * block * head_dim, s_fh=block * head_dim, s_ft=head_dim,
-        s_tb=64, s_tc=1, tokens_per_split=8 * cfg.tile,
-        s_ob=8 * group * head_dim, s_oh=head_dim, width=64, num_blocks=4096, num_staged=512,
-    )  # fmt: skip
-    consts = dict(G=group, GP=cfg.gp, T=block, D=head_dim, TILE=cfg.tile, BITS=bits, GK=kg, GV=kg, DOT_F32=False,
-                  PREC="tf32", DIRECT=False)  # fmt: skip
-    return Config(f"decode_kivi{bits}_g{group}_d{head_dim}", "kivi_decode", "decode_kivi_split_kernel", pointers,
-                  consts, ints, kivi_warps(head_dim), cfg.num_stages)  # fmt: skip
+
+def config_for(launch: Launch) -> Config:
+    """The :class:`Config` that compiles ``launch``: its pointer types (index pointers the package's own
+    int32/int64), constexprs, warps and stages, and realistic integer arguments."""
+    pointers = {k: f"*{v}" for k, v in launch.pointers} | _INDEX_TYPES
+    return Config(launch.name, _MODULES[launch.kernel], launch.kernel, pointers, dict(launch.consts), _ints(launch),
+                  launch.num_warps, launch.num_stages, launch)  # fmt: skip
 
 
-def _prefill_config(dtype: str, group: int, block: int, head_dim: int) -> Config:
-    """The tiled prefill kernel as ``paged_prefill_attention`` launches it (a 512-query chunk, 32-layer pool)."""
-    import torch
-    from memos_kernels.paged_prefill import prefill_config
-
-    qb, gp, tile = prefill_config(group, block, head_dim, torch.float16 if dtype == "fp16" else torch.bfloat16)
-    elt = {"fp16": "*fp16", "bf16": "*bf16"}[dtype]
-    pointers = {"q_ptr": elt, "kc_ptr": elt, "vc_ptr": elt, "out_ptr": elt, "tables_ptr": "*i32", "lens_ptr": "*i32",
-                "qlens_ptr": "*i32"}  # fmt: skip
-    q = dict(s_qb=8 * group * 512 * head_dim, s_qh=512 * head_dim, s_qq=head_dim)
-    ints = dict(**q, s_ob=q["s_qb"], s_oh=q["s_qh"], s_oq=head_dim,
-                s_cb=LAYERS * 2 * 8 * block * head_dim, s_ch=block * head_dim, s_ct=head_dim,
-                s_tb=2048 // block, s_tc=1, width=2048 // block, num_blocks=4096, num_q=512)  # fmt: skip
-    consts = dict(G=group, GP=gp, QB=qb, T=block, D=head_dim, TILE=tile, DOT_F32=False, PREC="tf32")
-    return Config(f"prefill_{dtype}_g{group}_t{block}_d{head_dim}", "paged_prefill", "prefill_kernel", pointers,
-                  consts, ints, num_warps=4, num_stages=2)  # fmt: skip
+_MODULES = {"decode_split_kernel": "paged_decode", "decode_reduce_kernel": "paged_decode",
+            "decode_kivi_split_kernel": "kivi_decode", "prefill_kernel": "paged_prefill",
+            "write_kv_kernel": "write_kv", "write_kv_int8_kernel": "write_kv", "write_kv_fp8_kernel": "write_kv",
+            "copy_blocks_kernel": "copy_blocks"}  # fmt: skip
 
 
-def _write_configs(block: int, head_dim: int, capability: int) -> list[Config]:
-    h = 8
-    strides = dict(s_kn=h * head_dim, s_kh=head_dim, s_vn=h * head_dim, s_vh=head_dim,
-                   s_cb=LAYERS * 2 * h * block * head_dim, s_ch=block * head_dim, s_ct=head_dim,
-                   num_slots=4096 * block)  # fmt: skip
-    consts = dict(T=block, D=head_dim)
-    out = [
-        Config(f"write_kv_t{block}_d{head_dim}", "write_kv", "write_kv_kernel", {"slots_ptr": "*i64"}, consts,
-               strides, num_stages=1),
-        Config(f"write_kv_int8_t{block}_d{head_dim}", "write_kv", "write_kv_int8_kernel",
-               {"slots_ptr": "*i64", "kc_ptr": "*i8", "vc_ptr": "*i8"}, consts,
-               {**strides, "s_sb": LAYERS * 2 * h * block, "s_sh": block, "s_st": 1}, num_stages=1),
-    ]  # fmt: skip
-    if capability >= 89:  # float8e4nv needs sm_89+
-        out.append(Config(f"write_kv_fp8_t{block}_d{head_dim}", "write_kv", "write_kv_fp8_kernel",
-                          {"slots_ptr": "*i64", "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*fp32",
-                           "vs_ptr": "*fp32"}, consts,
-                          {**strides, "s_sb": LAYERS * 2 * h, "s_sh": 1, "s_st": 0}, num_stages=1))  # fmt: skip
-    return out
+def hot(launch: Launch) -> bool:
+    """The default (quick) subset: head dim 128 (the heaviest), fp32 and fp16 queries (bf16 compiles to the same
+    16-bit ``tl.dot`` path and registers as fp16), every cache (float, int8, fp8, KIVI 2/4-bit), the prefill at 1,
+    4 and 16 query heads per KV head, and one fp16 launch of each light kernel (reduce, writes, copy);
+    ``--full`` compiles every launch."""
+    c, p = dict(launch.consts), dict(launch.pointers)
+    elt = p.get("q_ptr") or p.get("key_ptr") or p.get("pool_ptr") or p.get("out_ptr")
+    if c.get("D", 128) != 128 or elt not in ("fp32", "fp16"):
+        return False
+    if launch.kernel == "prefill_kernel":
+        return c["GP"] in (1, 4, 16)
+    return launch.kernel.startswith("decode_split") or "kivi" in launch.kernel or elt == "fp16"
 
 
 def configs(capability: int, full: bool = False) -> list[Config]:
-    """The configurations to compile for ``sm_<capability>``: the hot set, or with ``full`` the whole matrix."""
-    if full:
-        grid = itertools.product(("fp16", "bf16"), (1, 4, 8), (16, 32, 64), (64, 128))
-        decode = [_decode_config(dt, g, t, d) for dt, g, t, d in grid]
-        kivi = [_kivi_config(bits, g, d) for bits, g, d in itertools.product((2, 4), (1, 4, 8), (64, 128))]
-        writes = [c for t, d in itertools.product((16, 32, 64), (64, 128)) for c in _write_configs(t, d, capability)]
-    else:
-        decode = [_decode_config("fp16", 4, 16, 128), _decode_config("bf16", 8, 16, 128),
-                  _decode_config("fp16", 8, 64, 64)]  # fmt: skip
-        kivi = [_kivi_config(4, 4, 128)]
-        writes = _write_configs(16, 128, capability)
-    decode.append(_decode_config("fp16", 4, 128, 128))  # block 128: the tile capped at 64 (issue 25)
-    quant = [_decode_config("fp16", 4, 16, 128, "int8"), _decode_config("fp16", 4, 128, 128, "int8")]
-    if capability >= 89:
-        quant += [_decode_config("fp16", 4, 16, 128, "fp8"), _decode_config("fp16", 4, 128, 128, "fp8")]
-    reduce = Config("decode_reduce_g4_d128", "paged_decode", "decode_reduce_kernel",
-                    {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lens_ptr": "*i32"},
-                    dict(G=4, GP=16, D=128),
-                    dict(s_ob=32 * 128, s_oh=128, num_splits=8, tokens_per_split=512))  # fmt: skip
-    copy = Config("copy_blocks", "copy_blocks", "copy_blocks_kernel", {"pairs_ptr": "*i64"}, {"CHUNK": 1024},
-                  {"block_numel": 2 * 8 * 16 * 128, "num_blocks": 4096})  # fmt: skip
-    prefill = [_prefill_config("fp16", 4, 16, 128)]
-    return decode + quant + kivi + writes + prefill + [reduce, copy]
+    """The configurations to compile for ``sm_<capability>``: every launch of the package's launch planner
+    (:func:`memos_kernels.launch_plan.launches`), the :func:`hot` ones first, or without ``full`` only those."""
+    every = launches(capability)
+    chosen = [x for x in every if hot(x)] + ([x for x in every if not hot(x)] if full else [])
+    return [config_for(x) for x in chosen]
 
 
 def _signature(fn: Any, config: Config) -> tuple[dict[str, str], dict[str, Any], dict[tuple[int], list]]:
@@ -192,11 +159,14 @@ def _signature(fn: Any, config: Config) -> tuple[dict[str, str], dict[str, Any],
     hint when a multiple of 16); pointers typed from ``config.pointers`` (default ``*fp16``), 16-byte aligned;
     ``scale``-like floats fp32."""
     signature, consts, attrs = {}, dict(config.consts), {}
+    runtime = set(getattr(fn, "do_not_specialize", ()) or ())
     for i, name in enumerate(fn.arg_names):
         if name in config.consts:
             signature[name] = "constexpr"
+        elif name in runtime or i in runtime:
+            signature[name] = "i32"  # do_not_specialize: no ==1 constant, no divisibility hint
         elif name.endswith("_ptr"):
-            signature[name] = config.pointers.get(name, "*fp16")
+            signature[name] = config.pointers[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in config.ints and config.ints[name] == 1:
             signature[name] = "constexpr"
@@ -260,25 +230,39 @@ def _ptxas_report(ptx: str, capability: int) -> str:
         return subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
 
 
-def compile_all(capability: int, full: bool = False) -> list[Resources]:
-    """Compile every configuration of :func:`configs` for ``sm_<capability>``; every kernel of every kernel
-    file (their ``KERNELS`` tuples) must have one (fp8 kernels only at sm_89+)."""
+def compile_all(capability: int, full: bool = False, *, only: str | None = None,
+                jsonl: str | None = None) -> list[Resources]:  # fmt: skip
+    """Compile every configuration of :func:`configs` for ``sm_<capability>`` (those whose name contains one of
+    the comma-separated ``only``, when given); without ``only`` every kernel of every kernel file (their
+    ``KERNELS`` tuples) must have one (fp8 kernels only at sm_89+). ``jsonl`` names a file that gets each result
+    as a JSON line as soon as it is compiled (a long run that is cut short keeps what it measured)."""
     if os.environ.get("TRITON_INTERPRET"):
         raise RuntimeError("unset TRITON_INTERPRET: ahead-of-time compilation needs the real compiler")
     import importlib
 
+    import triton
+
     chosen = configs(capability, full)
-    modules = ("write_kv", "paged_decode", "kivi_decode", "paged_prefill", "copy_blocks")
-    every = {k.__name__ for m in modules for k in importlib.import_module(f"memos_kernels.{m}").KERNELS}
-    covered = {c.kernel for c in chosen} | ({"write_kv_fp8_kernel"} if capability < 89 else set())
-    if every - covered:
-        raise RuntimeError(f"kernels without an ahead-of-time case: {sorted(every - covered)}: add them to configs")
-    return [_compile(c, capability) for c in chosen]
+    if only:
+        chosen = [c for c in chosen if any(part in c.name for part in only.split(","))]
+    else:
+        modules = ("write_kv", "paged_decode", "kivi_decode", "paged_prefill", "copy_blocks")
+        every = {k.__name__ for m in modules for k in importlib.import_module(f"memos_kernels.{m}").KERNELS}
+        covered = {c.kernel for c in chosen} | ({"write_kv_fp8_kernel"} if capability < 89 else set())
+        if every - covered:
+            raise RuntimeError(f"kernels without an ahead-of-time case: {sorted(every - covered)}: add them")
+    out = []
+    for config in chosen:
+        out.append(_compile(config, capability))
+        if jsonl:
+            with open(jsonl, "a") as f:
+                f.write(json.dumps({"triton": triton.__version__, **asdict(out[-1])}) + "\n")
+    return out
 
 
 def spills(resources: list[Resources]) -> list[str]:
-    """The hot configurations (:data:`HOT_KERNELS`) that spill: each as ``name@sm_XX``."""
-    return [f"{r.name}@sm_{r.capability}" for r in resources if r.spilled and r.name.startswith(HOT_KERNELS)]
+    """The configurations that spill (any launch the package can make): each as ``name@sm_XX``."""
+    return [f"{r.name}@sm_{r.capability}" for r in resources if r.spilled]
 
 
 def format_table(resources: list[Resources]) -> str:
@@ -292,14 +276,72 @@ def format_table(resources: list[Resources]) -> str:
     return "\n".join(lines)
 
 
+def load_results(*paths: str) -> list[dict[str, Any]]:
+    """JSON lines of ``--jsonl`` runs (several files, several Triton versions), the last result of each (Triton
+    version, target, configuration) kept."""
+    rows: dict[tuple[str, int, str], dict[str, Any]] = {}
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    rows[(r["triton"], r["capability"], r["name"])] = r
+    return list(rows.values())
+
+
+def format_versions(rows: list[dict[str, Any]], capabilities: tuple[int, ...] = (87, 90)) -> str:
+    """The register table of every launch the planner enumerates, one column per (Triton version, target):
+    ``registers`` or ``registers, stores/loads B`` when it spills, ``—`` where the launch does not exist (fp8
+    at sm_87), ``?`` where it was not compiled; a summary line first."""
+    got = {(r["triton"], r["capability"], r["name"]): r for r in rows}
+    versions = sorted({r["triton"] for r in rows}, key=lambda v: tuple(int(x) for x in v.split(".")))
+    cols = [(v, c) for v in versions for c in capabilities]
+    names = {c: {x.name for x in launches(c)} for c in capabilities}
+    order = list(dict.fromkeys(x.name for c in capabilities for x in launches(c)))
+
+    def cell(v: str, c: int, name: str) -> str:
+        if name not in names[c]:
+            return "—"
+        r = got.get((v, c, name))
+        if r is None:
+            return "?"
+        spill = f", {r['spill_stores']}/{r['spill_loads']} B" if r["spill_stores"] or r["spill_loads"] else ""
+        return f"{r['registers']}{spill}"
+
+    cells = {(v, c, n): cell(v, c, n) for v, c in cols for n in order}
+    spilled = sum("B" in x for x in cells.values())
+    missing = sum(x == "?" for x in cells.values())
+    lines = [f"{len(order)} launches × {len(cols)} (Triton version, target) columns: {spilled} spill, "
+             f"{missing} not compiled.", "",
+             "| launch | " + " | ".join(f"{v} sm_{c}" for v, c in cols) + " |",
+             "|---|" + "---|" * len(cols)]  # fmt: skip
+    lines += [f"| {n} | " + " | ".join(cells[(v, c, n)] for v, c in cols) + " |" for n in order]
+    return "\n".join(lines)
+
+
+def _option(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args and args.index(name) + 1 < len(args) else None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``aot_check [CAPABILITY...] [--full] [--table] [--only NAME,...] [--jsonl PATH]``: one JSON report on the
+    last line of stdout (the Triton version, every configuration's resources, the spilled ones);
+    ``aot_check --render RESULTS.jsonl...`` prints :func:`format_versions` of earlier runs."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--render"]:  # aot_check --render RESULTS.jsonl...: the docs' table of several runs
+        print(format_versions(load_results(*args[1:])))
+        return 0
     full, table = "--full" in args, "--table" in args
+    only, jsonl = _option(args, "--only"), _option(args, "--jsonl")
     caps = [int(a) for a in args if a.isdigit()] or [90]
-    resources = [r for cap in caps for r in compile_all(cap, full)]
+    resources = [r for cap in caps for r in compile_all(cap, full, only=only, jsonl=jsonl)]
     if table:
         print(format_table(resources))
-    print(json.dumps({"resources": [asdict(r) for r in resources], "hot_spills": spills(resources)}))
+    import triton
+
+    report = {"triton": triton.__version__, "full": full, "resources": [asdict(r) for r in resources],
+              "hot_spills": spills(resources)}  # fmt: skip
+    print(json.dumps(report))
     return 0
 
 

@@ -9,9 +9,10 @@ import torch
 import triton
 import triton.language as tl
 from memos_kernels.common import CheckResult, check_index_dtypes, default_device
+from memos_kernels.launch_plan import POOL_DTYPES
 from memos_kernels.timing import time_ms
 
-from memos_ref.errors import DeviceError, InvalidArgumentError, ShapeError
+from memos_ref.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError
 
 __all__ = [
     "KERNELS",
@@ -57,6 +58,8 @@ def copy_blocks(pool: torch.Tensor, pairs: torch.Tensor) -> None:
     on a GPU)."""
     if not pool.is_contiguous():
         raise ShapeError("copy_blocks needs a contiguous pool")
+    if pool.dtype not in POOL_DTYPES.values():  # the launch planner's set: nothing else is compiled
+        raise DTypeError(f"copy_blocks copies {sorted(POOL_DTYPES)} pools, got {pool.dtype}")
     if pairs.ndim != 2 or pairs.shape[1] != 2:
         raise ShapeError(f"pairs must be [n, 2] (src, dst), got {tuple(pairs.shape)}")
     check_index_dtypes(pairs=pairs)

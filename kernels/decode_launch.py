@@ -15,8 +15,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 from memos_kernels.common import check_index_dtypes, check_tables, should_validate
+from memos_kernels.launch_plan import DecodeConfig, check_launchable, decode_config
 
 from memos_ref.errors import ConfigError, DeviceError, DTypeError, ShapeError
 
@@ -36,28 +36,7 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------- configuration
-@dataclass(frozen=True)
-class DecodeConfig:
-    """The launch configuration of one decode specialization: the token tile (independent of the block size),
-    the query group padded to ``tl.dot``'s 16 rows, warps and pipeline stages."""
-
-    tile: int
-    gp: int
-    num_warps: int
-    num_stages: int
-
-
-@functools.lru_cache(maxsize=256)
-def decode_config(group: int, block_size: int, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """Tile and launch parameters for a query group, block size, head dim and element type: a tile of about
-    16 KiB of K per stage (64 tokens at head dim 128 in 16 bits, 128 at 64), never below 16 tokens (``tl.dot``'s
-    minimum), a whole block when a block is wider, except at head dim 128 and above: at most 64 (a tile may
-    read part of a block; 128 x 128 spills); 4 warps, 3 stages (2 at fp32, for shared memory)."""
-    elt = 4 if dtype == torch.float32 else 2
-    tile = max(16, min(128, (16384 // elt) // head_dim), min(block_size, 128))
-    tile = min(tile, 64 if head_dim >= 128 else 128)  # 128 x 128 tiles spill (block 128: int8 116 B, fp8 164 B)
-    return DecodeConfig(tile=tile, gp=max(16, triton.next_power_of_2(group)), num_warps=4,
-                        num_stages=2 if elt == 4 else 3)  # fmt: skip
+# DecodeConfig and decode_config live in memos_kernels.launch_plan (the launch planner), re-exported here.
 
 
 @functools.cache
@@ -144,11 +123,13 @@ def plan_decode(
     blocks_per_split: int | None = None,
     workspace: DecodeWorkspace | None = None,
     out: torch.Tensor | None = None,
+    quant: str = "none",
 ) -> DecodePlan:
     """Plan a decode launch for ``query [B, Hq, D]`` over sequences of at most ``max_len`` tokens: the tile
     (:func:`decode_config`), the splits (:func:`plan_splits`, or ``tokens_per_split`` — or ``blocks_per_split``
     blocks — when given), the partials, taken from ``workspace`` (default: the device's), and the output
-    (``out``, checked, or a new uninitialized tensor)."""
+    (``out``, checked, or a new uninitialized tensor). ``quant`` names the cache (``"none"``, ``"int8"``,
+    ``"fp8"``, ``"kivi"``) for the launch configuration."""
     b, hq, d = query.shape
     if blocks_per_split is not None:
         if blocks_per_split < 1:
@@ -159,7 +140,8 @@ def plan_decode(
     elif out.shape != query.shape or out.device != query.device or out.stride(-1) != 1:
         raise ShapeError(f"out must be like the query {tuple(query.shape)} on {query.device}, got {tuple(out.shape)}")
     group = hq // kv_heads
-    config = decode_config(group, block_size, d, query.dtype)
+    check_launchable("decode attention", d, block_size, group, query.dtype, query.device)
+    config = decode_config(group, block_size, d, query.dtype, quant)
     if tokens_per_split is None:
         splits, tokens_per_split = plan_splits(b, kv_heads, max_len, config.tile, sm_count(query.device))
     elif tokens_per_split < 1:

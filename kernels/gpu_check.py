@@ -50,6 +50,9 @@ GOALS = {
 }
 TEST_FILES = ["tests/test_kernels.py", "tests/test_kernels_matrix.py", "tests/test_kernel_bounds.py",
               "tests/test_kernels_layout.py", "tests/test_kernel_path.py", "tests/test_cuda_kernel.py"]  # fmt: skip
+#: Left to CI: the ahead-of-time register check compiles the launch planner's set under CI's Triton and the
+#: device's 3.6 (tests/test_kernels_triton36.py) without a GPU; here it would spend the tests phase compiling.
+NOT_ON_DEVICE = "not compiles_for_a_real_gpu"
 DRY_TESTS = ["tests/test_kernels_layout.py::test_check_result_rejects_nan_and_excess",
              "tests/test_kernel_bounds.py::test_copy_kernel_copies_nothing_for_a_pair_outside_the_pool"]  # fmt: skip
 ROOT = Path(__file__).resolve().parent.parent
@@ -208,7 +211,7 @@ def phase_tests(out: Path, dry: bool) -> int:
     for i, group in enumerate(groups):
         xml = out / f"tests_{i}.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-               f"--junitxml={xml}", *group]  # fmt: skip
+               "-k", NOT_ON_DEVICE, f"--junitxml={xml}", *group]  # fmt: skip
         log = (out / f"tests_{i}.log").open("w")
         procs.append((group, xml, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = stopwatch() + budget

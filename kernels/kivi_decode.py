@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from memos_kernels.common import NEG, CheckResult, check_index_dtypes, default_device, is_pow2, should_validate
+from memos_kernels.launch_plan import RUNTIME_ARGS, kivi_config
 from memos_kernels.paged_decode import (
     LOG2E,
     DecodeWorkspace,
@@ -37,7 +38,7 @@ from memos_kernels.paged_decode import (
 )
 from memos_kernels.timing import time_ms
 
-from memos_ref.errors import ConfigError, DeviceError, InvalidBlockError, ShapeError
+from memos_ref.errors import ConfigError, DeviceError, DTypeError, InvalidBlockError, ShapeError
 
 __all__ = [
     "KERNELS",
@@ -127,7 +128,7 @@ def paged_decode_kivi_reference(
 
 
 # ---------------------------------------------------------------------------------------------- kernel
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_ARGS)
 def decode_kivi_split_kernel(
     q_ptr, tables_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, stg_ptr, slot_ptr,
@@ -138,9 +139,9 @@ def decode_kivi_split_kernel(
     s_vb, s_vh, s_vt,
     s_fb, s_fk, s_fh, s_ft,
     s_tb, s_tc, width, num_blocks, num_staged, tokens_per_split,
-    G: tl.constexpr, GP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
-    BITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
-    DIRECT: tl.constexpr,
+    G, GP: tl.constexpr, T, D: tl.constexpr, TILE: tl.constexpr,
+    BITS: tl.constexpr, GK, GV, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    DIRECT,
 ):  # fmt: skip
     """Split-K decode over KIVI blocks on :mod:`memos_kernels.paged_decode`'s skeleton (token tiles through the
     table, ``tl.dot`` over the query group): each token is read from its block's packed codes (keys per channel
@@ -186,10 +187,9 @@ KERNELS = (decode_kivi_split_kernel,)
 
 # ---------------------------------------------------------------------------------------------- wrappers
 def kivi_warps(head_dim: int) -> int:
-    """Warps of a KIVI decode launch: 8 at head dim 128 and above (the unpacking holds codes, scales and zeros
-    of a 64-token tile: with 4 warps Triton 3.6 spills ~300 bytes at sm_87/sm_90 — 8 spill under neither 3.6 nor
-    3.9, 153-253 registers), else 4."""
-    return 8 if head_dim >= 128 else 4
+    """Warps of a KIVI decode launch (:func:`memos_kernels.launch_plan.kivi_config`): 8 at head dim 128 and
+    above, else 4."""
+    return kivi_config(1, 32, head_dim, torch.float16).num_warps
 
 
 def _check_blocks(blocks: KiviBlocks, device: torch.device) -> tuple[int, int, int, int]:
@@ -259,6 +259,8 @@ def paged_decode_attention_kivi_packed(
     staging slot map must already be there). ``validate`` as in
     :func:`~memos_kernels.paged_decode.paged_decode_attention` (the staging slot map's rows too)."""
     h, t, d, gv = _check_blocks(blocks, query.device)
+    if blocks.staging.dtype != query.dtype:  # the pool keeps its residual window in the model's dtype
+        raise DTypeError(f"the staging slab must be in the query's dtype {query.dtype}, got {blocks.staging.dtype}")
     validate_decode_inputs(query, h, d, block_tables, seq_lens)
     b = query.shape[0]
     stg = blocks.staging
@@ -276,7 +278,7 @@ def paged_decode_attention_kivi_packed(
                 f"staging_slot[{bad}] = {int(slot[bad])}, expected -1 (sealed) or 0..{n_staged - 1}"
             )
     plan = plan_decode(query, h, t, max_len, tokens_per_split=tokens_per_split, blocks_per_split=blocks_per_split,
-                       workspace=workspace, out=out)  # fmt: skip
+                       workspace=workspace, out=out, quant="kivi")  # fmt: skip
     if b == 0:
         return plan.out
     dot_f32, prec = dot_flags(query)
@@ -293,8 +295,8 @@ def paged_decode_attention_kivi_packed(
         block_tables.stride(0), block_tables.stride(1), block_tables.shape[1], n_blocks, n_staged,
         plan.tokens_per_split,
         G=plan.group, GP=cfg.gp, T=t, D=d, TILE=cfg.tile,
-        BITS=blocks.bits, GK=blocks.group_size, GV=gv, DOT_F32=dot_f32, PREC=prec, DIRECT=plan.num_splits == 1,
-        num_warps=kivi_warps(d), num_stages=cfg.num_stages,
+        BITS=blocks.bits, GK=blocks.group_size, GV=gv, DOT_F32=dot_f32, PREC=prec, DIRECT=int(plan.num_splits == 1),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return reduce_decode(plan, seq_lens)
 

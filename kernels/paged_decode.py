@@ -36,6 +36,7 @@ from memos_kernels.decode_launch import (
     sm_count,
     validate_decode_inputs,
 )
+from memos_kernels.launch_plan import RUNTIME_ARGS
 from memos_kernels.timing import time_ms
 
 from memos_ref.errors import ConfigError, DeviceError, DTypeError, ShapeError
@@ -118,7 +119,7 @@ def paged_decode_reference(
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def tile_slots(tables_ptr, b, s_tb, s_tc, tok0, end, width, num_blocks, T: tl.constexpr, TILE: tl.constexpr):
+def tile_slots(tables_ptr, b, s_tb, s_tc, tok0, end, width, num_blocks, T, TILE: tl.constexpr):
     """A token tile ``tok0 .. tok0 + TILE`` of sequence ``b`` (valid below ``end``) through its block table:
     the tokens' positions, validity, blocks (int64: block × stride passes 2^31 in big pools) and offsets. The
     tile spans ``TILE / T`` blocks, or part of one, whatever the block size. Bounds: a column past the table's
@@ -163,7 +164,7 @@ def split_bounds(lens_ptr, b, s, tokens_per_split, capacity):
 
 
 @triton.jit
-def load_group(q_ptr, b, h, s_qb, s_qh, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr):
+def load_group(q_ptr, b, h, s_qb, s_qh, G, GP: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr):
     """The query heads of KV head ``h`` as a ``[GP, D]`` tile (rows past the group ``G`` are zero)."""
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
@@ -174,7 +175,7 @@ def load_group(q_ptr, b, h, s_qb, s_qh, G: tl.constexpr, GP: tl.constexpr, D: tl
 
 
 @triton.jit
-def store_partials(acc_ptr, m_ptr, l_ptr, b, h, s, acc, m_i, l_i, G: tl.constexpr, GP: tl.constexpr,
+def store_partials(acc_ptr, m_ptr, l_ptr, b, h, s, acc, m_i, l_i, G, GP: tl.constexpr,
                    D: tl.constexpr):  # fmt: skip
     """The split's partial softmax: ``acc [B, Hkv, S, G, D]``, ``m, l [B, Hkv, S, G]`` (the group's real rows)."""
     g = tl.arange(0, GP)
@@ -186,11 +187,11 @@ def store_partials(acc_ptr, m_ptr, l_ptr, b, h, s, acc, m_i, l_i, G: tl.constexp
 
 
 @triton.jit
-def store_split(acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh, b, h, s, acc, m_i, l_i, G: tl.constexpr,
-                GP: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
+def store_split(acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh, b, h, s, acc, m_i, l_i, G,
+                GP: tl.constexpr, D: tl.constexpr, DIRECT):  # fmt: skip
     """The end of a split program: with one split (``DIRECT``) the normalized output itself, straight into
     ``out [B, Hq, D]`` (no reduce launch); otherwise the partial softmax (:func:`store_partials`)."""
-    if DIRECT:
+    if DIRECT != 0:  # a runtime flag (one compilation for both)
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
         res = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -200,7 +201,7 @@ def store_split(acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh, b, h, s, acc, m_i, l
         store_partials(acc_ptr, m_ptr, l_ptr, b, h, s, acc, m_i, l_i, G, GP, D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_ARGS)
 def decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, tables_ptr, lens_ptr,
     acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh,
@@ -211,8 +212,8 @@ def decode_split_kernel(
     s_sb, s_sh, s_st,
     s_tb, s_tc, width, num_blocks,
     tokens_per_split,
-    G: tl.constexpr, GP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
-    QUANT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr,
+    G, GP: tl.constexpr, T, D: tl.constexpr, TILE: tl.constexpr,
+    QUANT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, DIRECT,
 ):  # fmt: skip
     """Program (sequence b, KV head h, split s): the whole query group over tokens ``start .. end`` of the
     sequence in tiles of ``TILE`` tokens gathered through the block table. ``QUANT`` 0: float caches; 1: int8
@@ -245,12 +246,12 @@ def decode_split_kernel(
     store_split(acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh, b, h, s, acc, m_i, l_i, G, GP, D, DIRECT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_ARGS)
 def decode_reduce_kernel(
     acc_ptr, m_ptr, l_ptr, out_ptr, lens_ptr,
     s_ob, s_oh,
     num_splits, tokens_per_split,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+    G, GP: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
     """Program (sequence b, KV head h): merge the partial softmaxes of the splits that hold tokens (an empty
     sequence gives zeros)."""
@@ -361,7 +362,7 @@ def paged_decode_attention(
         raise DeviceError("query, caches, block tables and lengths must be on one device")
     max_len = decode_bounds(block_tables, seq_lens, _n, t, max_seq_len, validate)
     plan = plan_decode(query, h, t, max_len, tokens_per_split=tokens_per_split, blocks_per_split=blocks_per_split,
-                       workspace=workspace, out=out)  # fmt: skip
+                       workspace=workspace, out=out, quant=quant)  # fmt: skip
     if query.shape[0] == 0:
         return plan.out
     dot_f32, prec = dot_flags(query)
@@ -377,7 +378,7 @@ def paged_decode_attention(
         block_tables.stride(0), block_tables.stride(1), block_tables.shape[1], _n,
         plan.tokens_per_split,
         G=plan.group, GP=cfg.gp, T=t, D=d, TILE=cfg.tile, QUANT=QUANT_MODES[quant], DOT_F32=dot_f32, PREC=prec,
-        DIRECT=plan.num_splits == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DIRECT=int(plan.num_splits == 1), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return reduce_decode(plan, seq_lens)
 

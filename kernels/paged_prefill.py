@@ -26,9 +26,9 @@ from memos_kernels.common import (
     default_device,
     should_validate,
 )
+from memos_kernels.launch_plan import RUNTIME_ARGS, check_launchable, prefill_launch
 from memos_kernels.paged_decode import (
     LOG2E,
-    decode_config,
     dot_flags,
     paged_decode_attention,
     random_paged_case,
@@ -85,7 +85,7 @@ def paged_prefill_reference(
 
 
 # ---------------------------------------------------------------------------------------------- kernel
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_ARGS)
 def prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, tables_ptr, lens_ptr, qlens_ptr, out_ptr,
     qk_scale,
@@ -93,7 +93,7 @@ def prefill_kernel(
     s_ob, s_oh, s_oq,
     s_cb, s_ch, s_ct,
     s_tb, s_tc, width, num_blocks, num_q,
-    G: tl.constexpr, GP: tl.constexpr, QB: tl.constexpr, T: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+    G, GP: tl.constexpr, QB: tl.constexpr, T, D: tl.constexpr, TILE: tl.constexpr,
     DOT_F32: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Program (sequence b, KV head h, query tile qt): rows ``r = j · GP + g`` are query ``qt · QB + j`` of head
@@ -152,12 +152,10 @@ KERNELS = (prefill_kernel,)
 
 # ---------------------------------------------------------------------------------------------- wrapper
 def prefill_config(group: int, block_size: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """``(QB, GP, TILE)``: the group padded to a power of two, ``QB`` query positions so that a tile holds 64
-    rows (32 at head dim 128 in fp32), at least 16 (``tl.dot``'s minimum); the decode kernel's token tile."""
-    gp = triton.next_power_of_2(group)
-    rows = 32 if head_dim >= 128 and dtype == torch.float32 else 64
-    qb = max(1, rows // gp, 16 // gp)
-    return qb, gp, decode_config(group, block_size, head_dim, dtype).tile
+    """``(QB, GP, TILE)`` of :func:`memos_kernels.launch_plan.prefill_launch` (which also gives warps and
+    stages)."""
+    cfg = prefill_launch(group, block_size, head_dim, dtype)
+    return cfg.qb, cfg.gp, cfg.tile
 
 
 def paged_prefill_attention(
@@ -218,19 +216,20 @@ def paged_prefill_attention(
     if checked:
         check_tables(block_tables, seq_lens, n_blocks, t)
     group = hq // h
-    qb, gp, tile = prefill_config(group, t, d, query.dtype)
+    check_launchable("prefill attention", d, t, group, query.dtype, query.device)
+    cfg = prefill_launch(group, t, d, query.dtype)
     if b == 0 or q == 0:
         return out
     dot_f32, prec = dot_flags(query)
-    prefill_kernel[(b, h, triton.cdiv(q, qb))](
+    prefill_kernel[(b, h, triton.cdiv(q, cfg.qb))](
         query, key_cache, value_cache, block_tables, seq_lens, query_lens, out,
         (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E,
         query.stride(0), query.stride(1), query.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1), block_tables.shape[1], n_blocks, q,
-        G=group, GP=gp, QB=qb, T=t, D=d, TILE=tile, DOT_F32=dot_f32, PREC=prec,
-        num_warps=4, num_stages=2,
+        G=group, GP=cfg.gp, QB=cfg.qb, T=t, D=d, TILE=cfg.tile, DOT_F32=dot_f32, PREC=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 

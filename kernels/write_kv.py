@@ -25,6 +25,7 @@ from memos_kernels.common import (
     default_device,
     should_validate,
 )
+from memos_kernels.launch_plan import DTYPES, RUNTIME_ARGS, check_launchable
 from memos_kernels.timing import time_ms
 
 from memos_ref.errors import DeviceError, DTypeError, ShapeError
@@ -113,7 +114,7 @@ def write_kv_fp8_reference(
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def token_slot(slots_ptr, num_slots, T: tl.constexpr, D: tl.constexpr):
+def token_slot(slots_ptr, num_slots, T, D: tl.constexpr):
     """The write kernels' program (token i, KV head h): whether to write (the slot is in ``[0, num_slots)``:
     -1 skips, and a slot past the pool is never written), the block and offset."""
     i = tl.program_id(0)
@@ -123,12 +124,12 @@ def token_slot(slots_ptr, num_slots, T: tl.constexpr, D: tl.constexpr):
     return i, h, live, slot // T, slot % T, tl.arange(0, D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_ARGS)
 def write_kv_kernel(
     key_ptr, value_ptr, slots_ptr, kc_ptr, vc_ptr,
     s_kn, s_kh, s_vn, s_vh,
     s_cb, s_ch, s_ct, num_slots,
-    T: tl.constexpr, D: tl.constexpr,
+    T, D: tl.constexpr,
 ):  # fmt: skip
     i, h, live, block, off, d = token_slot(slots_ptr, num_slots, T, D)
     if live:
@@ -139,13 +140,13 @@ def write_kv_kernel(
         tl.store(vc_ptr + dst, v)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_ARGS)
 def write_kv_int8_kernel(
     key_ptr, value_ptr, slots_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
     s_kn, s_kh, s_vn, s_vh,
     s_cb, s_ch, s_ct,
     s_sb, s_sh, s_st, num_slots,
-    T: tl.constexpr, D: tl.constexpr,
+    T, D: tl.constexpr,
 ):  # fmt: skip
     i, h, live, block, off, d = token_slot(slots_ptr, num_slots, T, D)
     if live:
@@ -169,13 +170,13 @@ def write_kv_int8_kernel(
                 tl.store(vs_ptr + sdst, s32.to(tl.float16))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_ARGS)
 def write_kv_fp8_kernel(
     key_ptr, value_ptr, slots_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
     s_kn, s_kh, s_vn, s_vh,
     s_cb, s_ch, s_ct,
     s_sb, s_sh, s_st, num_slots,
-    T: tl.constexpr, D: tl.constexpr,
+    T, D: tl.constexpr,
 ):  # fmt: skip
     i, h, live, block, off, d = token_slot(slots_ptr, num_slots, T, D)
     if live:  # s_st is unused: one scale per (block, head), the argument list is the int8 kernel's
@@ -208,6 +209,9 @@ def _check_write(
     kernels skip such slots (never write outside the pool); validated, a slot named twice is refused too. A slot
     mapping that is not int32/int64 is always refused (:class:`~memos_ref.errors.DTypeError`)."""
     n, h, t, d = check_cache(key_cache, value_cache, quant)
+    if key.dtype != value.dtype or key.dtype not in DTYPES.values():
+        raise DTypeError(f"key and value must share one of {sorted(DTYPES)}, got {key.dtype} and {value.dtype}")
+    check_launchable("write_kv", d, t, 1, key.dtype, key.device)
     if key.ndim != 3 or key.shape != value.shape or tuple(key.shape[1:]) != (h, d):
         raise ShapeError(f"key/value must both be [tokens, {h}, {d}], got {tuple(key.shape)} and {tuple(value.shape)}")
     if slots.shape != (key.shape[0],):

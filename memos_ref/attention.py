@@ -148,7 +148,8 @@ def attend_step(
     pool = step.pool
     extras = dict(mask=drop_trivial_mask(mask), sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     path = step_path(step)
-    if path != "reference" and all(value is None for value in extras.values()) and query.dtype == pool.spec.dtype:
+    plain = all(value is None for value in extras.values()) and query.dtype == pool.spec.dtype
+    if path != "reference" and plain and _group_fits(query, pool):
         if step.query_len == 1:
             return _attend_kernel(path, query[:, :, 0], step, layer, scale)[:, :, None]
         if path == "plain":  # a chunk of queries per row: the tiled causal prefill kernel, one launch
@@ -200,11 +201,15 @@ def use_kernels(device: torch.device) -> bool:
 
 
 def _kernel_fits(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """The kernel's limits (power-of-two head_dim, block size 8-128, one dtype): outside them, the reference."""
+    """The kernels' launch set (:func:`memos_kernels.launch_plan.fits`: on a GPU head dims 16-128, block sizes
+    8-128, groups up to 16; in the interpreter powers of two) and one dtype: outside them, the reference."""
+    from memos_kernels.launch_plan import fits
+
     t, d = key_cache.shape[2], key_cache.shape[3]
-    pow2 = d > 0 and d & (d - 1) == 0 and t & (t - 1) == 0 and 8 <= t <= 128
+    group = query.shape[1] // max(1, key_cache.shape[1])
+    ok = query.shape[1] % max(1, key_cache.shape[1]) == 0 and fits(d, t, group, query.dtype, query.device)
     same = query.dtype == key_cache.dtype == value_cache.dtype and key_cache.stride() == value_cache.stride()
-    return pow2 and same  # outside the limits even the explicit modes fall back, rather than fail mid-generation
+    return ok and same  # outside the limits even the explicit modes fall back, rather than fail mid-generation
 
 
 def paged_decode(
@@ -244,9 +249,10 @@ def _fp8_ok(device: torch.device) -> bool:
 
 def _pool_path(pool: Any) -> str:
     """:func:`step_path` for a pool: which kernels can read and write it (duck-typed: this layer is below quant)."""
+    from memos_kernels.launch_plan import fits as launch_fits
+
     spec = pool.spec
-    floats = (torch.float32, torch.float16, torch.bfloat16)
-    fits = _pow2(spec.head_dim) and _pow2(spec.block_size) and 8 <= spec.block_size <= 128 and spec.dtype in floats
+    fits = launch_fits(spec.head_dim, spec.block_size, 1, spec.dtype, pool.device)  # the group: per call
     if len(pool.segments) != 1 or not fits or not use_kernels(pool.device):
         return "reference"
     if not pool.quantized:
@@ -261,6 +267,17 @@ def _pool_path(pool: Any) -> str:
     if name.startswith("kivi") and _pow2(group) and spec.block_size % group == 0:
         return "kivi"
     return "reference"  # per-tensor int8, fp16 codes, residual windows over int8/fp8: the torch reference
+
+
+def _group_fits(query: torch.Tensor, pool: Any) -> bool:
+    """Whether the query group (query heads per KV head) is in the kernels' launch set on the pool's device (at
+    most 16 on a GPU: :data:`memos_kernels.launch_plan.MAX_GROUP`); a wider group runs the reference."""
+    from memos_kernels.launch_plan import fits
+
+    spec, hq = pool.spec, query.shape[1]
+    if hq % spec.num_kv_heads:
+        return False
+    return fits(spec.head_dim, spec.block_size, hq // spec.num_kv_heads, spec.dtype, pool.device)
 
 
 def step_path(step: StepBatch) -> str:

@@ -76,7 +76,7 @@ def test_check_result_rejects_nan_and_excess():
 
 # ---------------------------------------------------------------------------------------------- one story per file
 def _is_jit(node: ast.FunctionDef) -> bool:
-    return any(ast.unparse(d).endswith("jit") for d in node.decorator_list)
+    return any(ast.unparse(d.func if isinstance(d, ast.Call) else d).endswith("jit") for d in node.decorator_list)
 
 
 @pytest.mark.parametrize("module", STORIES)
