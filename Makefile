@@ -107,10 +107,11 @@ unit: setup redis browser
 notebooks: setup redis
 	$(BIN)/python -m pytest -n $(JOBS) --nbmake --nbmake-timeout=120 --durations=0 notebooks
 
-# The edit-test loop: lint, then the unit tests that need neither the real model nor a server and start no
-# subprocess benchmark, build or browser (markers applied by tests/conftest.py). `make test` runs everything.
+# The edit-test loop: lint, then the unit tests that need neither the real model nor a server and start no other
+# process (a benchmark, build, browser, notebook kernel or pytest run), each property test on at most 10 examples
+# (Hypothesis profile "check"); markers and the cap are applied by tests/conftest.py. `make test` runs everything.
 check: lint
-	$(BIN)/python -m pytest $(XDIST) -q -m "not real_model and not server and not slow" --durations=10 tests
+	HYPOTHESIS_PROFILE=check $(BIN)/python -m pytest $(XDIST) -q -m "not real_model and not server and not slow" --durations=10 tests
 
 # Mutation testing of the core with mutmut (issue 30), in a private copy of HEAD: by default only the functions
 # changed since the run recorded in results/mutation.json (or BASE=<ref>); FULL=1 mutates every function (hours on

@@ -16,6 +16,7 @@ except ImportError:  # pragma: no cover
     pass
 
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,10 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
     verbosity=Verbosity.normal,
 )
+# "check" (`make check` sets HYPOTHESIS_PROFILE=check): the edit-test loop runs every property and state machine on
+# at most CHECK_MAX_EXAMPLES examples, those that pin a larger count included (capped at collection, below).
+CHECK_MAX_EXAMPLES = 10
+settings.register_profile("check", max_examples=CHECK_MAX_EXAMPLES, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 TINY = dict(
@@ -157,7 +162,16 @@ def smollm2_forward(smollm2_path):
 
 # ---------------------------------------------------------------- markers, timeouts (issues 29 item 5, 30 item 3)
 REAL_MODEL_FIXTURES = {"smollm2", "smollm2_path", "smollm2_forward"}
-SERVER_FIXTURES = {"redis_server"}
+SERVER_FIXTURES = {"redis_server", "redis_cluster"}
+# What a test's source (its function, its fixtures, or a helper of its module it calls) says about it:
+# asking for the real model directly, starting a server itself, or starting another process (a benchmark or a
+# pytest run in a subprocess, a notebook's Jupyter kernel, a process pool) — `make check` leaves those out.
+REAL_MODEL_CALLS = re.compile(r"\b_real_model_path\(")
+SERVER_CALLS = re.compile(r"\b(?:RedisServer|running_cluster)\(")
+PROCESS_CALLS = re.compile(
+    r"\bsubprocess\.(?:run|Popen|call|check_call|check_output)\b|\bsys\.executable\b|\bNotebookClient\b"
+    r"|\brecord_notebooks\(|\bProcessPoolExecutor\b|\bmultiprocessing\b|\bos\.(?:fork|system|spawn\w*)\("
+)
 # Test files whose tests run a benchmark, a wheel build, a browser, shellcheck, lint-imports or git in a subprocess,
 # or load a real-size model: `make check` leaves them out (`make test` runs them).
 SLOW_FILES = {
@@ -192,15 +206,51 @@ LONG_TESTS = {
 DEFAULT_TIMEOUT_S = 600
 
 
-def _starts_a_server(item: pytest.Item) -> bool:
-    """A test that starts its own redis-server (not through the fixture): its source says so."""
+def _source(obj: object) -> str:
+    try:
+        return inspect.getsource(obj)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return ""
+
+
+_HELPERS: dict[str, dict[str, str]] = {}
+
+
+def _module_helpers(module: object) -> dict[str, str]:
+    """The module-level functions a test file defines itself: name -> source (read once per file)."""
+    name = getattr(module, "__name__", "")
+    if name not in _HELPERS:
+        fns = vars(module).items() if module is not None else ()
+        _HELPERS[name] = {k: _source(f) for k, f in fns if inspect.isfunction(f) and f.__module__ == name}
+    return _HELPERS[name]
+
+
+def _test_source(item: pytest.Item) -> str:
+    """The source a test runs that its file shows: the test function, each fixture it uses (its own file's or
+    conftest's), and the module-level helpers of its file that any of those call (one level deep)."""
     fn = getattr(item, "function", None)
     if fn is None:
-        return False
-    try:
-        return "RedisServer(" in inspect.getsource(fn)
-    except (OSError, TypeError):
-        return False
+        return ""
+    parts = [_source(fn)]
+    fixture_defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}) or {}
+    parts += [_source(d.func) for defs in fixture_defs.values() for d in defs]
+    text = "\n".join(parts)
+    helpers = _module_helpers(inspect.getmodule(fn))
+    called = [src for name, src in helpers.items() if src not in parts and re.search(rf"\b{re.escape(name)}\(", text)]
+    return "\n".join([text, *called])
+
+
+def _cap_examples(item: pytest.Item) -> None:
+    """Under the "check" profile: at most CHECK_MAX_EXAMPLES examples for this @given test or state machine,
+    even where the test pins more (the full count runs under dev and ci)."""
+    fn = getattr(item, "obj", None)
+    used = getattr(fn, "_hypothesis_internal_use_settings", None)
+    if getattr(fn, "is_hypothesis_test", False) and used is not None and used.max_examples > CHECK_MAX_EXAMPLES:
+        fn._hypothesis_internal_use_settings = settings(used, max_examples=CHECK_MAX_EXAMPLES)
+    cls = getattr(item, "cls", None)
+    machine = getattr(cls, "settings", None)  # RuleBasedStateMachine.TestCase.settings
+    if isinstance(machine, settings) and machine.max_examples > CHECK_MAX_EXAMPLES:
+        cls.settings = settings(machine, max_examples=CHECK_MAX_EXAMPLES)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -213,12 +263,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
             continue
         names = set(getattr(item, "fixturenames", ()))
-        if names & REAL_MODEL_FIXTURES or path.name.startswith("test_real_"):
+        source = _test_source(item)
+        if names & REAL_MODEL_FIXTURES or path.name.startswith("test_real_") or REAL_MODEL_CALLS.search(source):
             item.add_marker(pytest.mark.real_model)
-        if names & SERVER_FIXTURES or _starts_a_server(item):
+        if names & SERVER_FIXTURES or SERVER_CALLS.search(source):
             item.add_marker(pytest.mark.server)
-        if path.name in SLOW_FILES:
+        if path.name in SLOW_FILES or PROCESS_CALLS.search(source):
             item.add_marker(pytest.mark.slow)
+        if settings.get_current_profile_name() == "check":
+            _cap_examples(item)
         key = f"{path.name}::{item.name.split('[')[0]}"
         if key in LONG_TESTS and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(LONG_TESTS[key]))

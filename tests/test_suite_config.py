@@ -170,3 +170,122 @@ def test_the_markers_are_registered(pytestconfig):
     lines = pytestconfig.getini("markers")
     for name in ("real_model", "server", "slow"):
         assert any(line.startswith(f"{name}:") for line in lines), name
+
+
+# ---------------------------------------------------------------- what `make check` selects (issue 29 item 5)
+def _check_command() -> tuple[dict[str, str], str]:
+    """The environment assignments and the ``-m`` expression of the Makefile's ``check`` recipe."""
+    recipe = (ROOT / "Makefile").read_text().split("\ncheck:", 1)[1].split("\n\n", 1)[0]
+    env = dict(re.findall(r"\b([A-Z_]+)=(\S+)\s+\$\(BIN\)/python -m pytest", recipe))
+    (expr,) = re.findall(r'-m "([^"]+)"', recipe)
+    return env, expr
+
+
+# One test of each kind `make check` must leave out, each in a file it otherwise runs, and tests it must keep.
+CHECK_EXCLUDES = {
+    "tests/test_pretrained.py::test_the_real_model_answers_the_issue_question": "loads the real model",
+    "tests/test_pretrained.py::test_a_lock_another_process_keeps_is_a_state_error_naming_it_and_its_holder": (
+        "starts a subprocess"
+    ),
+    "tests/test_suite_config.py::test_a_planted_hang_fails_its_test_with_a_timeout_traceback": "runs pytest",
+    "tests/test_readme_results.py::test_record_notebooks_stores_what_each_notebook_measured": "a Jupyter kernel",
+    "tests/test_cluster_tier.py::test_tenants_and_models_are_separate": "a Redis Cluster (the fixture)",
+    "tests/test_memory_backends.py::test_redis_server_helper_errors": "starts redis-server itself",
+    "tests/test_bench_and_demo.py::test_other_benchmarks_quick_json_contract[agent]": "a benchmark (SLOW_FILES)",
+}
+CHECK_KEEPS = (
+    "tests/test_suite_config.py::test_markers_follow_fixture_use_not_file_edits",
+    "tests/test_model.py::test_config_reads_rope_through_the_one_reader",
+    "tests/test_model.py::test_train_script_runs_end_to_end",  # trains the shipped architecture in-process
+    "tests/test_readme_results.py::test_readme_agrees_with_committed_results",
+)
+
+
+def test_make_check_selects_no_real_model_server_or_subprocess_test():
+    """Collect with the Makefile's own ``check`` environment and ``-m`` expression (a subprocess: pytest itself
+    applies the markers): each test of CHECK_EXCLUDES is left out, the plain tests stay, and make check selects
+    the capped Hypothesis profile."""
+    env_vars, expr = _check_command()
+    assert env_vars.get("HYPOTHESIS_PROFILE") == "check"
+    files = sorted({node.split("::")[0] for node in [*CHECK_EXCLUDES, *CHECK_KEEPS]})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")} | env_vars
+    done = subprocess.run(
+        [*PYTEST, "--collect-only", "-q", "-m", expr, *files],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    selected = {line.strip() for line in done.stdout.splitlines() if "::" in line}
+    assert done.returncode == 0 and selected, done.stdout[-3000:] + done.stderr[-3000:]
+    wrongly = {node: why for node, why in CHECK_EXCLUDES.items() if node in selected}
+    assert wrongly == {}, f"make check would run these: {wrongly}"
+    assert set(CHECK_KEEPS) <= selected
+
+
+def test_the_check_markers_follow_what_a_test_starts():
+    """In process (fast, so make check runs it too): a test whose own source, fixture or file helper starts a
+    process is slow; one that asks for the real model by its helper is real_model; one that starts a Redis Cluster
+    itself is server; a plain test gets nothing."""
+
+    def starts_a_process():
+        return subprocess.run  # the marker reads the source: subprocess.run(...) below
+        subprocess.run(["true"])
+
+    def asks_for_the_real_model():
+        return conftest  # conftest._real_model_path() below
+        conftest._real_model_path()
+
+    def starts_a_cluster():
+        running_cluster()  # noqa: F821  (never called: the marker reads the source)
+
+    def plain():
+        return 1 + 1
+
+    items = [
+        _item("test_x.py", "test_process", (), starts_a_process),
+        _item("test_x.py", "test_real", (), asks_for_the_real_model),
+        _item("test_x.py", "test_cluster", (), starts_a_cluster),
+        _item("test_x.py", "test_cluster_fixture", ("redis_cluster",), plain),
+        _item("test_x.py", "test_plain", ("tmp_path",), plain),
+    ]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [sorted(m.name for m in it.marks) for it in items] == [["slow"], ["real_model"], ["server"], ["server"], []]
+
+
+def test_make_check_caps_every_property_test_even_a_pinned_one():
+    """Under the "check" profile the conftest caps a @given test that pins 300 examples, and a state machine's
+    TestCase settings, at CHECK_MAX_EXAMPLES; without the cap the same test runs its 300."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, rule
+
+    def make():
+        seen: list[int] = []
+
+        @settings(max_examples=300, database=None, deadline=None)
+        @given(st.integers())
+        def prop(x):
+            seen.append(x)
+
+        return prop, seen
+
+    prop, seen = make()
+    prop()
+    assert len(seen) > conftest.CHECK_MAX_EXAMPLES  # the pinned count runs uncapped
+    prop, seen = make()
+    conftest._cap_examples(SimpleNamespace(obj=prop, cls=None))
+    prop()
+    assert 1 <= len(seen) <= conftest.CHECK_MAX_EXAMPLES
+
+    class Machine(RuleBasedStateMachine):
+        @rule()
+        def step(self):
+            pass
+
+    Machine.TestCase.settings = settings(max_examples=250, stateful_step_count=5, deadline=None)
+    conftest._cap_examples(SimpleNamespace(obj=None, cls=Machine.TestCase))
+    assert Machine.TestCase.settings.max_examples == conftest.CHECK_MAX_EXAMPLES
+    assert Machine.TestCase.settings.stateful_step_count == 5  # only the count changes
+    assert settings.get_profile("check").max_examples == conftest.CHECK_MAX_EXAMPLES
