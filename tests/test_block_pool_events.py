@@ -197,7 +197,7 @@ def test_tier_write_back_runs_from_the_eviction_event(tmp_path):
 
 def test_no_private_attribute_is_read_across_modules():
     """The modules this redesign touched reach other objects only through public methods and events."""
-    allowed = {("memos_ref/paged/events.py", "queue"), ("memos_ref/paged/sequence.py", "child")}  # same class
+    allowed = {("memos_ref/paged/events.py", "queue"), ("memos_ref/paged/sequence_cow.py", "child")}  # same class
     files = [
         "memos_ref/paged/allocator.py",
         "memos_ref/paged/events.py",
@@ -206,6 +206,11 @@ def test_no_private_attribute_is_read_across_modules():
         "memos_ref/paged/prefix_index.py",
         "memos_ref/paged/prefix.py",
         "memos_ref/paged/sequence.py",
+        "memos_ref/paged/sequence_cow.py",
+        "memos_ref/paged/sequence_state.py",
+        "memos_ref/paged/sequence_tokens.py",
+        "memos_ref/paged/sequence_windows.py",
+        "memos_ref/paged/sequence_writes.py",
         "memos_ref/paged/store.py",
         "memos_ref/paged/check.py",
         "memos_ref/metrics.py",
@@ -272,14 +277,16 @@ def _counting(monkeypatch, module, name: str) -> dict[str, int]:
 
 
 def test_admit_validates_the_prompt_once_and_hashes_each_block_once(monkeypatch):
-    import memos_ref.paged.sequence as sequence_module
+    import memos_ref.paged.sequence_cow as cow_module
+    import memos_ref.paged.sequence_tokens as tokens_module
 
     kv = PagedKV(SPEC, 32)
     ids = list(range(80))
     _written(kv, ids[:48]).free()  # 6 blocks cached
     expected = kv.prefix_cache.hashes([*ids, *range(8)])  # 11 full blocks
-    checks = [_counting(monkeypatch, m, "check_token_ids") for m in (prefix_module, sequence_module)]
-    checks.append(_counting(monkeypatch, sequence_module, "pack_token_ids"))  # the check that also packs
+    # every module of the sequence that validates ids (reserve/advance, adopt_prefix) and the prefix cache
+    checks = [_counting(monkeypatch, m, "check_token_ids") for m in (prefix_module, tokens_module, cow_module)]
+    checks.append(_counting(monkeypatch, tokens_module, "pack_token_ids"))  # the check that also packs (admit)
     hashes = _counting(monkeypatch, prefix_module.hashlib, "blake2b")
     seq = kv.new_sequence()
     assert seq.admit(ids) == range(48, 80)  # 6 blocks reused, 4 new
@@ -343,12 +350,12 @@ def test_admit_packs_the_prompt_once_and_the_index_verifies_blocks_by_their_pack
     matching hash with other ids is still refused (the collision check stays)."""
     from array import array
 
-    import memos_ref.paged.sequence as sequence_module
+    import memos_ref.paged.sequence_tokens as tokens_module
 
     kv = PagedKV(SPEC, 32)
     ids = list(range(40))
     _written(kv, ids[:24]).free()  # 3 blocks cached
-    packs = _counting(monkeypatch, sequence_module, "pack_token_ids")
+    packs = _counting(monkeypatch, tokens_module, "pack_token_ids")  # where admit looks it up
     arrays = _counting(monkeypatch, prefix_module, "array")  # every packing in the prefix module (hashes, lookup)
     seq = kv.new_sequence()
     assert seq.admit(ids) == range(24, 40) and packs["n"] == 1 and arrays["n"] == 1  # packed once
