@@ -26,7 +26,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,10 +41,12 @@ from memos_ref.errors import (
     check_index,
     check_type,
 )
-from memos_ref.hf import PagedCache
 from memos_ref.paged.sequence import SequenceCache
 from memos_ref.paged.step import rollback as _rollback
 from memos_ref.paged.store import PagedKV
+
+if TYPE_CHECKING:  # imported when an Engine is built: transformers' import is not paid by `import memos_ref.engine`
+    from memos_ref.hf import PagedCache
 
 __all__ = ["GREEDY_TEMPERATURE", "Engine", "Request", "RequestStats"]
 
@@ -166,6 +168,8 @@ class Engine:
         self.steps = 0
         # the forward-facing cache of every step: the package forward's PagedCache over the engine's rows
         # (borrowed: rows of different lengths, freed by the engine), one StepBatch per forward
+        from memos_ref.hf import PagedCache
+
         self._cache = PagedCache(kv, owns_rows=False)
 
     def _rows(self, sequences: list[SequenceCache]) -> PagedCache:
