@@ -183,3 +183,14 @@ def test_an_engine_whose_pool_grows_mid_run_gives_the_solo_outputs(shipped_pair,
     for request, prompt in zip(requests, prompts):
         assert not request.failed and request.output == _solo(hf, prompt, 16)
     kv.check()
+
+
+def test_importing_the_engine_does_not_import_transformers():
+    """`import memos_ref.engine` (a serve process's first import, a Request's) does not pull transformers in: the
+    transformers-facing PagedCache is imported when an Engine is built."""
+    import subprocess
+    import sys
+
+    code = "import sys, memos_ref.engine; print('transformers' in sys.modules, 'memos_ref.hf' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.split() == ["False", "False"]
