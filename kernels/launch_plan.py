@@ -117,8 +117,8 @@ def decode_config(group: int, block_size: int, head_dim: int, dtype: torch.dtype
 
     - int8/fp8 caches under fp32 queries: 1 stage (2 spill ~500 B: the dequantized fp32 tile of the next stage
       stays live beside the exact fp32 products);
-    - KIVI at head dim 128: 8 warps (the unpacking holds codes, scales and zeros of a tile: 4 warps spill ~300 B
-      under 3.6), and a 16-token tile under fp32 queries (32 spill ~150 B)."""
+    - KIVI at head dim 128: 8 warps and a 32-token tile (the unpacking holds codes, scales and zeros of a tile: 4
+      warps spill ~300 B under 3.6, a 64-token tile 16 B at sm_87), 16 under fp32 queries (32 spill ~150 B)."""
     del block_size
     elt = 4 if dtype == torch.float32 else 2
     tile = max(16, min(128, (16384 // elt) // head_dim))
@@ -127,7 +127,7 @@ def decode_config(group: int, block_size: int, head_dim: int, dtype: torch.dtype
     if quant in ("int8", "fp8") and elt == 4:
         stages = 1
     if quant == "kivi" and head_dim >= 128:
-        warps, tile = 8, 16 if elt == 4 else tile
+        warps, tile = 8, 16 if elt == 4 else 32
     return DecodeConfig(tile=tile, gp=max(16, _next_pow2(group)), num_warps=warps, num_stages=stages)
 
 
@@ -139,15 +139,17 @@ def kivi_config(group: int, block_size: int, head_dim: int, dtype: torch.dtype) 
 @functools.lru_cache(maxsize=256)
 def prefill_launch(group: int, block_size: int, head_dim: int, dtype: torch.dtype) -> PrefillConfig:
     """The prefill launch: the group padded to a power of two, ``QB`` query positions so that a program holds 64
-    rows (32 at head dim 128 in fp32), at least 16 (``tl.dot``'s minimum); the decode kernel's token tile; 8
-    warps at head dim 128 in 16 bits (4 spill 36 bytes at sm_87 under Triton 3.6: the 64 × 128 fp32 accumulator
-    and the scores share 4 warps' registers), else 4 (fp32 at 8 warps spills 16 bytes there); 2 stages."""
+    rows (32 at head dim 128 in fp32), at least 16 (``tl.dot``'s minimum); the decode kernel's token tile (16 at
+    head dim 128 in fp32: 32 spills ~1 KB at sm_90, the exact fp32 products are scalar FMAs); 8 warps at head dim
+    128 (4 spill 36 bytes at sm_87 under Triton 3.6: the 64 × 128 fp32 accumulator and the scores share 4 warps'
+    registers), else 4; 2 stages."""
     gp = _next_pow2(group)
     rows = 32 if head_dim >= 128 and dtype == torch.float32 else 64
     qb = max(1, rows // gp, 16 // gp)
     tile = decode_config(group, block_size, head_dim, dtype).tile
-    wide = head_dim >= 128 and dtype != torch.float32
-    return PrefillConfig(qb, gp, tile, 8 if wide else 4, 2)
+    if head_dim >= 128 and dtype == torch.float32:
+        tile = 16
+    return PrefillConfig(qb, gp, tile, 8 if head_dim >= 128 else 4, 2)
 
 
 # ---------------------------------------------------------------------------------------------- the domain
