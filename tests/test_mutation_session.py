@@ -5,13 +5,21 @@ Here each edit leaves a manifest that is valid in every field but the checksum, 
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
 import torch
+from safetensors.torch import save as save_tensors
 
 from memos_ref.errors import CorruptCacheError
-from memos_ref.session.persist import manifest_checksum, parse_manifest, read_session_tensor, write_session
+from memos_ref.session.persist import (
+    MAX_TENSOR_HEADER_BYTES,
+    manifest_checksum,
+    parse_manifest,
+    read_session_tensor,
+    write_session,
+)
 from memos_ref.session.segments import Segment, SegmentKind
 from memos_ref.spec import KVSpec
 
@@ -88,3 +96,118 @@ def test_token_ids_are_bounded_by_the_vocabulary_exactly(saved, token, ok):
     else:
         with pytest.raises(CorruptCacheError, match=rf"token_ids\[2\] must be an int in \[0, {VOCAB}\)"):
             parse_manifest(raw, path, VOCAB)
+
+
+# ---------------------------------------------------------------- issue 30, full mutmut run of persist.py
+def _resigned(manifest: dict, edit) -> bytes:
+    return _with(manifest, edit, resign=True)
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_a_manifest_with_a_non_json_number_is_refused_saying_so(saved, constant):
+    """NaN and the infinities are not JSON: a manifest holding one is refused while it is read, and the error names
+    the constant (not a later, unrelated complaint such as the checksum)."""
+    path, manifest, _ = saved
+    raw = json.dumps(manifest).replace(f'"bytes": {manifest["bytes"]}', f'"bytes": {constant}').encode()
+    assert constant.encode() in raw
+    with pytest.raises(CorruptCacheError, match=rf"cannot read the session manifest: {constant} is not JSON"):
+        parse_manifest(raw, path, VOCAB)
+
+
+BAD_SEGMENTS = {
+    "not a list": (lambda m: m.update(segments={"a": 1}), r"segments must be a list, got dict"),
+    "not an object": (lambda m: m["segments"].__setitem__(0, [1]), r"segments\[0\] must be an object with fields"),
+    "bad kind": (
+        lambda m: m["segments"][1].update(kind="bogus"),
+        r"segments\[1\]\.kind must be one of \['system', .*got 'bogus'",
+    ),
+    "seg_id too long": (
+        lambda m: m["segments"][1].update(seg_id="x" * 4097),
+        r"segments\[1\]\.seg_id must be a string of at most 4096 characters",
+    ),
+    "seg_id not a string": (
+        lambda m: m["segments"][1].update(seg_id=7),
+        r"segments\[1\]\.seg_id must be a string of at most 4096 characters, got 7",
+    ),
+    "overlapping": (
+        lambda m: m["segments"][1].update(start=1),
+        r"segments\[1\] range \[1, 5\) must be ints with 2 <= start <= stop <= 5",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SEGMENTS))
+def test_a_bad_segment_is_refused_naming_what_was_expected_and_what_came(saved, case):
+    """Each malformed segment (in a manifest whose checksum was recomputed, so only the segment is wrong) is refused
+    with a CorruptCacheError saying which segment, what was expected and what it holds."""
+    path, manifest, _ = saved
+    edit, message = BAD_SEGMENTS[case]
+    with pytest.raises(CorruptCacheError, match=message):
+        parse_manifest(_resigned(manifest, edit), path, VOCAB)
+
+
+def test_segment_bounds_are_inclusive_where_the_format_says_so(saved):
+    """A seg_id of exactly 4096 characters loads, and so does an empty segment (start == stop)."""
+    path, manifest, _ = saved
+    parsed = parse_manifest(_resigned(manifest, lambda m: m["segments"][1].update(seg_id="y" * 4096)), path, VOCAB)
+    assert parsed["segments"][1].seg_id == "y" * 4096
+
+    def empty_tail(m):
+        m["segments"].append({"kind": "user", "seg_id": "u2", "start": 5, "stop": 5})
+
+    parsed = parse_manifest(_resigned(manifest, empty_tail), path, VOCAB)
+    assert [(s.start, s.stop) for s in parsed["segments"]] == [(0, 2), (2, 5), (5, 5)]
+
+
+def _payload_bytes(tokens: int) -> int:
+    return SPEC.num_layers * 2 * SPEC.num_kv_heads * tokens * SPEC.head_dim * 4  # float32
+
+
+@pytest.mark.parametrize(
+    "extra, in_bounds",
+    [(7, False), (8, True), (8 + MAX_TENSOR_HEADER_BYTES, True), (9 + MAX_TENSOR_HEADER_BYTES, False)],
+)
+def test_the_declared_tensor_size_is_bounded_by_the_geometry_exactly(saved, extra, in_bounds):
+    """The manifest's byte count must lie in [payload + 8, payload + 8 + MAX_TENSOR_HEADER_BYTES] (the safetensors
+    length prefix and a bounded header): outside it the file is refused before it is read, naming both figures;
+    inside it, the file is read and (here, as the count is wrong) refused by its size or checksum."""
+    path, _manifest, _ = saved
+    parsed = parse_manifest(path.read_bytes(), path, VOCAB)
+    payload = _payload_bytes(len(parsed["token_ids"]))
+    parsed["bytes"] = payload + extra
+    tensor = path.with_suffix(".safetensors")
+    if in_bounds:  # read, then refused by the file's own size or checksum, not by the bound
+        with pytest.raises(CorruptCacheError, match=r"does not match its checksum|expected at most") as info:
+            read_session_tensor(tensor, parsed, SPEC)
+        assert "the manifest declares" not in str(info.value)
+    else:
+        expected = rf"declares {payload + extra} bytes, but KV of shape .* takes {payload} bytes plus a header of at"
+        with pytest.raises(CorruptCacheError, match=expected):
+            read_session_tensor(tensor, parsed, SPEC)
+
+
+def _replace_tensor_file(path, parsed: dict, data: bytes) -> None:
+    """Write ``data`` as the session's tensor file and make the manifest's size and checksum agree with it, so only
+    the content can be what is refused."""
+    path.with_suffix(".safetensors").write_bytes(data)
+    parsed["bytes"], parsed["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+
+
+def test_a_tensor_file_with_the_wrong_content_is_refused_saying_what_it_holds(saved):
+    """Files whose size and checksum match the manifest but whose content is wrong: not safetensors, an extra
+    tensor, or the right byte count in the wrong shape. Each is refused naming what it holds."""
+    path, _manifest, kv = saved
+    parsed = parse_manifest(path.read_bytes(), path, VOCAB)
+    tensor = path.with_suffix(".safetensors")
+    size = _payload_bytes(len(parsed["token_ids"])) + 8
+    _replace_tensor_file(path, parsed, b"\x10" + b"\x00" * (size - 1))  # a header length pointing past the end
+    with pytest.raises(CorruptCacheError, match=r"is not a readable session tensor file: \S") as info:
+        read_session_tensor(tensor, parsed, SPEC)
+    assert "file: None" not in str(info.value)
+    _replace_tensor_file(path, parsed, save_tensors({"kv": kv.contiguous(), "a": torch.zeros(1)}))
+    with pytest.raises(CorruptCacheError, match=r"must hold exactly one tensor 'kv', holds \['a', 'kv'\]"):
+        read_session_tensor(tensor, parsed, SPEC)
+    wrong_shape = kv.reshape(2, 2, 2, 4, 5).contiguous()  # the same byte count
+    _replace_tensor_file(path, parsed, save_tensors({"kv": wrong_shape}))
+    with pytest.raises(CorruptCacheError, match=r"has shape \(2, 2, 2, 4, 5\), the manifest implies \(2, 2, 2, 5, 4\)"):
+        read_session_tensor(tensor, parsed, SPEC)
