@@ -69,6 +69,16 @@ AREAS: dict[str, tuple[list[str], list[str]]] = {
     ),
 }  # fmt: skip
 
+#: Tests left out of an area's mutation runs, each with why (they still run in `make test`).
+DESELECT: dict[str, dict[str, str]] = {
+    "memory": {
+        "tests/test_memory_store.py::TestStoreMachine": "Hypothesis's stateful machine fails mutmut's stats phase with"
+        " FlakyStrategyDefinition (its data generation differs under mutmut's tracing), so no mutant would run; the"
+        " same semantics are checked by the deterministic model test"
+        " test_sweep_removes_exactly_the_expired_entries_whatever_the_overwrites_did_to_their_expiry",
+    },
+}
+
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no_tests", 33: "no_tests", 34: "skipped", 36: "timeout"}
 STATUS.update({-24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", None: "not_checked"})
 
@@ -115,7 +125,9 @@ def module_name(path: str) -> str:
     return path.removesuffix(".py").replace("/", ".")
 
 
-def prepare_tree(tree: Path, modules: list[str], tests: list[str], max_children: int) -> None:
+def prepare_tree(
+    tree: Path, modules: list[str], tests: list[str], max_children: int, deselect: list[str] | None = None
+) -> None:
     """A fresh copy of HEAD with mutmut's config for one area."""
     if tree.exists():
         shutil.rmtree(tree)
@@ -130,7 +142,8 @@ def prepare_tree(tree: Path, modules: list[str], tests: list[str], max_children:
         "only_mutate": modules,
         "also_copy": ["memos_kernels", "memos_edge"],
         "pytest_add_cli_args_test_selection": tests,
-        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--timeout=120"],
+        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--timeout=120"]
+        + [arg for test in deselect or [] for arg in ("--deselect", test)],
     }
     lines = ["", "[tool.mutmut]"] + [f"{k} = {json.dumps(v)}" for k, v in config.items()]
     with open(tree / "pyproject.toml", "a") as f:
@@ -235,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.list or not targets:
             continue
         tree = args.workdir / area
-        prepare_tree(tree, sorted(targets), tests, args.max_children)
+        prepare_tree(tree, sorted(targets), tests, args.max_children, sorted(DESELECT.get(area, {})))
         patterns = [f"{module_name(m)}.{n}__mutmut_*" for m, names in targets.items() for n in sorted(names)]
         start = time.monotonic()
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
