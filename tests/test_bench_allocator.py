@@ -17,6 +17,14 @@ from memos_ref.bench import peers
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture
+def no_gc_between_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench.run collects garbage before every timed run so no contender is billed for another's; with a test
+    process's heap (torch, transformers) each collection takes most of a second on a loaded machine, and these
+    tests check what is run, in which order and how it is summarised, not the timing hygiene."""
+    monkeypatch.setattr(bench.gc, "collect", lambda *args: 0)
+
+
 def _fake_runner(times: dict[int, list[float]]):
     """A contender whose 'CPU seconds' are scripted per pool, one value per call, in call order."""
 
@@ -26,7 +34,7 @@ def _fake_runner(times: dict[int, list[float]]):
     return run
 
 
-def test_bench_allocator_reports_median_min_max_and_ours_over_each_contender(monkeypatch):
+def test_bench_allocator_reports_median_min_max_and_ours_over_each_contender(monkeypatch, no_gc_between_runs):
     runners = {"ours": bench._run_ours, "deque": bench._run_deque, "peer": bench._run_deque}
     monkeypatch.setattr(bench, "_contenders", lambda: (runners, {"peer": "the deque baseline again"}, {}))
     report = bench.run(quick=True, progress=False, repeats=2)
@@ -41,7 +49,7 @@ def test_bench_allocator_reports_median_min_max_and_ours_over_each_contender(mon
     assert report["config"]["interleaved"] is True
 
 
-def test_ratios_are_paired_per_repeat_not_a_ratio_of_medians(monkeypatch):
+def test_ratios_are_paired_per_repeat_not_a_ratio_of_medians(monkeypatch, no_gc_between_runs):
     """Each repeat's ratio uses the two runs of that repeat: with scripted times where the ratio of medians
     (2.0 / 2.0 = 1.0) differs from every paired ratio (0.5 or 2.0), the summary reports the paired ones."""
     ours_times = {4096: [1.0, 4.0, 2.0], 65_536: [1.0, 1.0, 1.0]}
@@ -67,7 +75,7 @@ def test_ratios_are_paired_per_repeat_not_a_ratio_of_medians(monkeypatch):
     assert s["ours_vs_peer_pool_large_verdict"] == "inconclusive"  # every pair exactly 1.0
 
 
-def test_order_is_shuffled_per_repeat_and_reproducible(monkeypatch):
+def test_order_is_shuffled_per_repeat_and_reproducible(monkeypatch, no_gc_between_runs):
     calls: list[str] = []
 
     def named(name):
@@ -213,7 +221,7 @@ def test_the_version_check_fails_on_a_result_without_one(tmp_path):
     assert "vllm" in text and not _recorded_version(bad, "vllm")
 
 
-def test_bench_allocator_explains_the_deque_time_by_its_scans():
+def test_bench_allocator_explains_the_deque_time_by_its_scans(no_gc_between_runs):
     """The O(pool) contenders' time is their free-list scans: every revival of a cached block scans past every
     never-used id, so doubling the pool adds exactly one pool's worth of entries per ``deque.remove``; the bench
     reports those counts, the measured cost of one scanned entry, and what every contender is."""
