@@ -191,7 +191,8 @@ def test_the_retuned_launches_that_spilled():
     """The planner's choices that keep every launch below the register file under Triton 3.6 and 3.9 (issue 25;
     measured by aot_check, table in docs/gpu.md). Each was a spill before: fp32 decode at head dim 128 with a
     64-token tile at block 64+ (255 registers, up to 2,384 B), int8/fp8 under fp32 queries with 2 stages
-    (~500 B), KIVI with 4 warps (~300 B) or a 64-token tile (16 B at sm_87 under 3.6), the fp16 prefill with 4
+    (~500 B), KIVI with 4 warps (~300 B) or a 64-token tile (16 B at sm_87 under 3.6; fp32 at head dim 64:
+    ~560 B), the fp16 prefill with 4
     warps at sm_87 under 3.6 (36 B), the fp32 prefill with a 32-token tile at sm_90 (~1 KB)."""
     f32, f16 = torch.float32, torch.float16
     assert {launch_plan.decode_config(4, t, 128, f32).tile for t in (8, 64, 128)} == {32}
@@ -201,6 +202,7 @@ def test_the_retuned_launches_that_spilled():
     assert launch_plan.kivi_config(4, 32, 128, f16) == launch_plan.DecodeConfig(32, 16, 8, 3)
     assert launch_plan.kivi_config(4, 32, 128, f32) == launch_plan.DecodeConfig(16, 16, 8, 2)
     assert launch_plan.kivi_config(4, 32, 64, f16).num_warps == 4
+    assert launch_plan.kivi_config(4, 32, 64, f32).tile == 32  # 64 spilled ~560 B under 3.6 at sm_87/sm_90
     assert launch_plan.prefill_launch(4, 16, 128, f16) == launch_plan.PrefillConfig(16, 4, 64, 8, 2)
     assert launch_plan.prefill_launch(4, 16, 128, f32) == launch_plan.PrefillConfig(8, 4, 16, 8, 2)
     assert launch_plan.prefill_launch(4, 16, 64, f16).num_warps == 4
