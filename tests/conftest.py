@@ -166,6 +166,9 @@ SERVER_FIXTURES = {"redis_server", "redis_cluster"}
 # What a test's source (its function, its fixtures, or a helper of its module it calls) says about it:
 # asking for the real model directly, starting a server itself, or starting another process (a benchmark or a
 # pytest run in a subprocess, a notebook's Jupyter kernel, a process pool) — `make check` leaves those out.
+# A test parametrized over model sizes runs on the smallest under `make check`: the larger value of each of these
+# parameters (the shipped model beside the tiny random one, the same code at a larger shape) is marked slow.
+LARGER_PARAMS = {"which": "shipped"}
 REAL_MODEL_CALLS = re.compile(r"\b_real_model_path\(")
 SERVER_CALLS = re.compile(r"\b(?:RedisServer|running_cluster)\(")
 PROCESS_CALLS = re.compile(
@@ -268,7 +271,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.real_model)
         if names & SERVER_FIXTURES or SERVER_CALLS.search(source):
             item.add_marker(pytest.mark.server)
-        if path.name in SLOW_FILES or PROCESS_CALLS.search(source):
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        larger = any(params.get(name) == value for name, value in LARGER_PARAMS.items())
+        if path.name in SLOW_FILES or PROCESS_CALLS.search(source) or larger:
             item.add_marker(pytest.mark.slow)
         if settings.get_current_profile_name() == "check":
             _cap_examples(item)

@@ -192,10 +192,12 @@ CHECK_EXCLUDES = {
     "tests/test_cluster_tier.py::test_tenants_and_models_are_separate": "a Redis Cluster (the fixture)",
     "tests/test_memory_backends.py::test_redis_server_helper_errors": "starts redis-server itself",
     "tests/test_bench_and_demo.py::test_other_benchmarks_quick_json_contract[agent]": "a benchmark (SLOW_FILES)",
+    "tests/test_caches.py::test_hf_generate_equals_dynamic_cache[llama-shipped-concat]": "the larger model size",
 }
 CHECK_KEEPS = (
     "tests/test_suite_config.py::test_markers_follow_fixture_use_not_file_edits",
     "tests/test_model.py::test_config_reads_rope_through_the_one_reader",
+    "tests/test_caches.py::test_hf_generate_equals_dynamic_cache[llama-tiny-concat]",  # its tiny-model twin
     "tests/test_model.py::test_train_script_runs_end_to_end",  # trains the shipped architecture in-process
     "tests/test_readme_results.py::test_readme_agrees_with_committed_results",
 )
@@ -227,7 +229,8 @@ def test_make_check_selects_no_real_model_server_or_subprocess_test():
 def test_the_check_markers_follow_what_a_test_starts():
     """In process (fast, so make check runs it too): a test whose own source, fixture or file helper starts a
     process is slow; one that asks for the real model by its helper is real_model; one that starts a Redis Cluster
-    itself is server; a plain test gets nothing."""
+    itself is server; the shipped-model variant of a test parametrized over model sizes is slow (its tiny twin is
+    not); a plain test gets nothing."""
 
     def starts_a_process():
         return subprocess.run  # the marker reads the source: subprocess.run(...) below
@@ -243,15 +246,23 @@ def test_the_check_markers_follow_what_a_test_starts():
     def plain():
         return 1 + 1
 
+    shipped, tiny = _item("test_x.py", "test_m[shipped]", (), plain), _item("test_x.py", "test_m[tiny]", (), plain)
+    shipped.callspec, tiny.callspec = (
+        SimpleNamespace(params={"which": "shipped"}),
+        SimpleNamespace(params={"which": "tiny"}),
+    )
     items = [
         _item("test_x.py", "test_process", (), starts_a_process),
         _item("test_x.py", "test_real", (), asks_for_the_real_model),
         _item("test_x.py", "test_cluster", (), starts_a_cluster),
         _item("test_x.py", "test_cluster_fixture", ("redis_cluster",), plain),
         _item("test_x.py", "test_plain", ("tmp_path",), plain),
+        shipped,
+        tiny,
     ]
     conftest.pytest_collection_modifyitems(None, items)
-    assert [sorted(m.name for m in it.marks) for it in items] == [["slow"], ["real_model"], ["server"], ["server"], []]
+    marks = [sorted(m.name for m in it.marks) for it in items]
+    assert marks == [["slow"], ["real_model"], ["server"], ["server"], [], ["slow"], []]
 
 
 def test_make_check_caps_every_property_test_even_a_pinned_one():
