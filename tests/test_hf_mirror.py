@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import memos_ref.hf as hf_mod
+import memos_ref.hf.cache as hf_cache
 from memos_ref.errors import ArgumentTypeError
 from memos_ref.hf import PagedCache
 from memos_ref.model.tokenizer import ByteTokenizer
@@ -58,8 +58,8 @@ def test_mirror_decode_steps_do_not_regather_the_history(shipped_pair, monkeypat
         kv = _kv(ours)
         counter = _CountingGather(kv.pool)
         monkeypatch.setattr(kv.pool, "gather", counter)
-        step_gather = _CountingGather(type("Seam", (), {"gather": staticmethod(hf_mod._gather_step)}))
-        monkeypatch.setattr(hf_mod, "_gather_step", step_gather)  # the plain path's gather of a whole step
+        step_gather = _CountingGather(type("Seam", (), {"gather": staticmethod(hf_cache.gather_step)}))
+        monkeypatch.setattr(hf_cache, "gather_step", step_gather)  # the plain path's gather of a whole step
         cache = PagedCache(kv, dense_mirror=mirror)
         with torch.inference_mode():
             hf(input_ids=ids, cache=cache, use_cache=True)  # prefill
