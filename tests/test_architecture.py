@@ -1,5 +1,6 @@
-"""The architecture's two rules, checked over the source: calls go down the layers (the import-linter contract in
-pyproject.toml, lazy imports included), and no module reads another module's private attributes."""
+"""The architecture's rules, checked over the source: calls go down the layers (the import-linter contract in
+pyproject.toml, lazy imports included), no module reads another module's private attributes, and no two modules
+import each other, inside a package either (no file circles)."""
 
 from __future__ import annotations
 
@@ -129,3 +130,131 @@ def test_notebooks_import_only_public_names(notebook):
                 private.append(f"{module}.{name}")
     private += [m.group(0) for m in re.finditer(r"\b(?:memos_ref|memos_kernels|memos_edge)(?:\.\w+)*\._\w+", code)]
     assert private == []
+
+
+def _module_names(roots: dict[str, Path]) -> dict[str, Path]:
+    """Every module of the packages, by dotted name (``pkg/__init__.py`` is ``pkg``)."""
+    names = {}
+    for package, folder in roots.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            names[".".join((package, *parts))] = path
+    return names
+
+
+def _import_graph(roots: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports anywhere in its file: at the top, under ``if TYPE_CHECKING:``, or
+    inside a function (``ast.walk`` sees them all). Relative imports are resolved; ``from pkg import name`` is an
+    import of the submodule ``pkg.name`` when there is one, else of ``pkg`` itself (its ``__init__``). The parent
+    packages Python runs on the way to a submodule are not edges: every package re-exporting its submodules would
+    otherwise be a circle with each of them."""
+    modules = _module_names(roots)
+
+    def known(dotted: str) -> str | None:  # the longest prefix that is a project module
+        parts = dotted.split(".")
+        for end in range(len(parts), 0, -1):
+            if ".".join(parts[:end]) in modules:
+                return ".".join(parts[:end])
+        return None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                edges.update(t for a in node.names if (t := known(a.name)) is not None)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{anchor}.{node.module}" if node.module else anchor
+                else:
+                    base = node.module or ""
+                for alias in node.names:
+                    target = f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else known(base)
+                    if target is not None:
+                        edges.add(target)
+        edges.discard(name)
+        graph[name] = edges
+    return graph
+
+
+def _shortest_circle(graph: dict[str, set[str]], start: str) -> list[str] | None:
+    """The shortest import path from ``start`` back to itself (``[start, ..., start]``), or None (breadth-first)."""
+    previous: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for child in sorted(graph[node]):
+                if child == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(previous[path[-1]])
+                    return [*reversed(path), start]
+                if child not in previous:
+                    previous[child] = node
+                    following.append(child)
+        frontier = following
+    return None
+
+
+def _file_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every module that sits on a circle, with the shortest circle through it; a circle found from several of its
+    modules is listed once, starting at its alphabetically first module."""
+    circles: dict[frozenset[str], list[str]] = {}
+    for module in sorted(graph):
+        circle = _shortest_circle(graph, module)
+        if circle is not None and frozenset(circle) not in circles:
+            first = circle.index(min(circle))
+            circles[frozenset(circle)] = [*circle[first:-1], *circle[:first], circle[first]]
+    return sorted(circles.values())
+
+
+def test_no_file_circles():
+    """Issue 29: no two modules import each other, directly or round a longer loop, counting imports under
+    ``if TYPE_CHECKING:`` and inside functions too (a lazy import hides a circle from Python, not from a reader).
+    A seam between two modules is a Protocol in the lower one, or the shared piece moved down into its own file."""
+    graph = _import_graph(PACKAGES)
+    assert len(graph) > 100 and graph["memos_ref.quant.fp8"] >= {"memos_ref.quant.base", "memos_ref.errors"}
+    circles = [" -> ".join(circle) for circle in _file_circles(graph)]
+    assert circles == [], "file circles:\n" + "\n".join(circles)
+
+
+def test_the_file_circle_check_can_fail(tmp_path):
+    """The check sees a circle made by each kind of import: top-level, TYPE_CHECKING-only, lazy in a function,
+    relative, ``from pkg import submodule``, and a submodule importing its own package's ``__init__``."""
+    files = {
+        "pkg/__init__.py": "from pkg.top import A\n",  # the package re-exports top, which imports the package
+        "pkg/top.py": "import pkg.sub.deep\nfrom pkg import lazy\nfrom pkg import A as _a\nclass A: ...\n",
+        "pkg/lazy.py": "def f():\n    from .top import A\n    return A\n",
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/deep.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..typed import T\n",
+        "pkg/typed.py": "from . import sub\nimport pkg.sub.deep as d\nimport os, json\nT = d\n",
+        "pkg/alone.py": "import pkg.top\nfrom pkg.sub import deep\n",  # imports into the circles, is on none
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = _import_graph({"pkg": tmp_path / "pkg"})
+    assert graph == {
+        "pkg": {"pkg.top"},
+        "pkg.top": {"pkg", "pkg.sub.deep", "pkg.lazy"},
+        "pkg.lazy": {"pkg.top"},
+        "pkg.sub": set(),
+        "pkg.sub.deep": {"pkg.typed"},
+        "pkg.typed": {"pkg.sub", "pkg.sub.deep"},
+        "pkg.alone": {"pkg.top", "pkg.sub.deep"},
+    }
+    assert _file_circles(graph) == [
+        ["pkg", "pkg.top", "pkg"],
+        ["pkg.lazy", "pkg.top", "pkg.lazy"],
+        ["pkg.sub.deep", "pkg.typed", "pkg.sub.deep"],
+    ]
+    (tmp_path / "pkg/__init__.py").write_text("")  # breaking each circle leaves the package clean
+    (tmp_path / "pkg/lazy.py").write_text("def f(a):\n    return a\n")
+    (tmp_path / "pkg/sub/deep.py").write_text("T = int\n")
+    (tmp_path / "pkg/top.py").write_text("import pkg.sub.deep\nfrom pkg import lazy\nclass A: ...\n")
+    assert _file_circles(_import_graph({"pkg": tmp_path / "pkg"})) == []
