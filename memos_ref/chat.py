@@ -41,35 +41,34 @@ uses them. A template's own tool format would fuse the tools into the system pro
 
 One line per tool, ``json.dumps(tool, sort_keys=True)`` for a dict (a string is used as it is), lines sorted: the
 same tool set in any order renders to the same tokens.
+
+The roles, the segment kinds and the checks on messages, text and tool lines are in :mod:`memos_ref.chat_messages`
+(``ROLES``, ``TOOLS_HEADER``, ``check_text`` and ``tool_lines`` are re-exported here); this module holds the codecs.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from memos_ref.chat_messages import (
+    ROLE_OF_KIND,
+    ROLES,
+    TOOLS_HEADER,
+    Message,
+    check_messages,
+    check_text,
+    kind_of_role,
+    segment_kind,
+    template_strings,
+    tool_lines,
+)
 from memos_ref.errors import ArgumentTypeError, ConfigError, InvalidArgumentError, ModelMismatchError, check_type
 from memos_ref.model.tokenizer import ByteTokenizer
 
 __all__ = ["ROLES", "TOOLS_HEADER", "ByteCodec", "ChatCodec", "check_text", "tool_lines"]
-
-#: First line of the system message that lists a session's tools.
-TOOLS_HEADER = "You can call these tools. Each line is one tool's JSON definition:"
-
-#: The chat role each segment kind is rendered with (a ``tool_call`` is the assistant's message).
-ROLE_OF_KIND = {
-    "system": "system",
-    "tools": "system",
-    "memory": "system",
-    "summary": "system",
-    "user": "user",
-    "assistant": "assistant",
-    "tool_call": "assistant",
-    "tool_result": "tool",
-}
 
 _BYTE_MARKER = {
     "system": "<|system|>",
@@ -81,88 +80,6 @@ _BYTE_MARKER = {
     "tool_result": "<|tool|>",
     "summary": "<|system|>",
 }
-
-Message = dict[str, Any]
-
-
-def _kind(kind: object) -> str:
-    """A segment kind's name, refused (:class:`~memos_ref.errors.InvalidArgumentError`) when unknown."""
-    kind = str(kind) if isinstance(kind, str) else kind  # a SegmentKind is a str
-    check_type("kind", kind, str)
-    if kind not in ROLE_OF_KIND:
-        raise InvalidArgumentError(f"kind: expected one of {sorted(ROLE_OF_KIND)}, got {kind!r:.80}")
-    return str(kind)
-
-
-#: The roles a message may have: those the segment kinds render with. Any other role is refused, never rendered:
-#: the template writes a role as control text (``<|im_start|>{role}``), so a role is not free text.
-ROLES = frozenset(ROLE_OF_KIND.values())
-
-
-def _check_messages(messages: object) -> None:
-    """Chat messages: a list of mappings, each with a role from :data:`ROLES` and a ``str`` content of valid
-    Unicode (a role outside the set is :class:`~memos_ref.errors.InvalidArgumentError`: it could forge a turn)."""
-    check_type("messages", messages, (list, tuple))
-    for i, message in enumerate(messages):  # type: ignore[arg-type]
-        check_type(f"messages[{i}]", message, Mapping)
-        role = message.get("role")
-        check_type(f"messages[{i}]['role']", role, str)
-        if role not in ROLES:
-            raise InvalidArgumentError(f"messages[{i}]['role']: expected one of {sorted(ROLES)}, got {role!r:.80}")
-        check_text(f"messages[{i}]['content']", message.get("content"))
-
-
-def _template_strings(name: str, value: object, limit: int = 100_000) -> Iterator[tuple[str, str]]:
-    """Every ``str`` in ``value`` (keys included, through mappings, lists and tuples) with where it is; bounded
-    (``limit`` items, each container visited once: a cycle ends)."""
-    stack, seen, count = [(name, value)], set(), 0
-    while stack:
-        where, item = stack.pop()
-        count += 1
-        if count > limit:
-            raise InvalidArgumentError(f"{name}: expected at most {limit} values, got more")
-        if isinstance(item, str):
-            yield where, item
-        elif isinstance(item, (Mapping, list, tuple)):
-            if id(item) in seen:
-                continue
-            seen.add(id(item))
-            if isinstance(item, Mapping):
-                for key, sub in item.items():
-                    stack.append((f"{where} key", key))
-                    stack.append((f"{where}[{key!r:.40}]", sub))
-            else:
-                stack.extend((f"{where}[{j}]", sub) for j, sub in enumerate(item))
-
-
-def check_text(name: str, value: object) -> str:
-    """``value`` if it is a ``str`` of valid Unicode (every code point encodable as UTF-8); raises
-    :class:`~memos_ref.errors.ArgumentTypeError` for another type and
-    :class:`~memos_ref.errors.InvalidArgumentError` naming the first lone surrogate (tokenizers cannot encode one)."""
-    check_type(name, value, str)
-    assert isinstance(value, str)
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidArgumentError(
-            f"{name}: expected valid Unicode text, found a lone surrogate U+{ord(value[exc.start]):04X} at index "
-            f"{exc.start} (decode bytes with errors='replace' or 'surrogatepass' before passing them)"
-        ) from None
-    return value
-
-
-def tool_lines(tools: Sequence[str | Mapping[str, Any]]) -> list[str]:
-    """One canonical line per tool (a dict as sorted-key JSON, a string as it is), sorted."""
-    check_type("tools", tools, (list, tuple))
-    lines = []
-    for i, tool in enumerate(tools):
-        check_type(f"tools[{i}]", tool, (str, Mapping))
-        try:
-            line = tool if isinstance(tool, str) else json.dumps(dict(tool), sort_keys=True, ensure_ascii=False)
-        except (TypeError, ValueError, RecursionError) as exc:  # a value JSON cannot write, a cycle, too deep
-            raise InvalidArgumentError(f"tools[{i}]: expected a JSON-serialisable tool definition ({exc})") from None
-        lines.append(check_text(f"tools[{i}]", line))
-    return sorted(lines)
 
 
 class ByteCodec:
@@ -181,8 +98,8 @@ class ByteCodec:
     def segment_ids(self, kind: str, text: str, history: Sequence[Message] = ()) -> list[int]:
         """The tokens of one segment: its marker, then the text's bytes (``history`` is not needed, but is checked
         as :class:`ChatCodec` checks it: a role outside :data:`ROLES` is refused by both codecs)."""
-        _check_messages(history)
-        return [self.tok.special_to_id[_BYTE_MARKER[_kind(kind)]], *self.tok.encode(text)]
+        check_messages(history)
+        return [self.tok.special_to_id[_BYTE_MARKER[segment_kind(kind)]], *self.tok.encode(text)]
 
     def tools_text(self, tools: Sequence[str | Mapping[str, Any]]) -> str:
         """The tool set as a segment's text: one canonical line per tool, sorted."""
@@ -190,11 +107,11 @@ class ByteCodec:
 
     def message(self, kind: str, text: str) -> Message:
         """The history entry of a segment (the byte codec does not need the history; kept for symmetry)."""
-        return {"role": ROLE_OF_KIND[_kind(kind)], "content": check_text("text", text)}
+        return {"role": ROLE_OF_KIND[segment_kind(kind)], "content": check_text("text", text)}
 
     def reply_prefix_ids(self, history: Sequence[Message] = ()) -> list[int]:
         """What precedes a generated reply (the assistant marker)."""
-        _check_messages(history)
+        check_messages(history)
         return self.segment_ids("assistant", "")
 
     def reply_suffix_ids(self, history: Sequence[Message], content: str, stopped: bool) -> list[int]:
@@ -284,7 +201,7 @@ class ChatCodec:
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
         if tools:
             kwargs["tools"] = list(tools)
-        _check_messages(messages)
+        check_messages(messages)
         self._check_template_fields(messages, tools)
         try:
             return self.tok.apply_chat_template(list(messages), **kwargs)
@@ -297,7 +214,7 @@ class ChatCodec:
         masked as text; a ``<|im_end|>`` in a tool call's arguments would otherwise close the turn."""
         fields = [(f"messages[{i}]", {k: v for k, v in m.items() if k != "content"}) for i, m in enumerate(messages)]
         for name, value in [*fields, ("tools", tools)]:
-            for where, text in _template_strings(name, value):
+            for where, text in template_strings(name, value):
                 check_text(where, text)
                 found = self._special_re.search(text) if self._special_re is not None else None
                 if found is not None:
@@ -325,7 +242,7 @@ class ChatCodec:
 
     def message(self, kind: str, text: str) -> Message:
         """The chat message a segment of ``kind`` is rendered as."""
-        return {"role": ROLE_OF_KIND[_kind(kind)], "content": check_text("text", text)}
+        return {"role": ROLE_OF_KIND[segment_kind(kind)], "content": check_text("text", text)}
 
     def tools_text(self, tools: Sequence[str | Mapping[str, Any]]) -> str:
         """The content of the system message that lists ``tools`` (see the module doc)."""
@@ -485,14 +402,14 @@ class ChatCodec:
     ) -> list[tuple[str, list[int]]]:
         """Each message's ``(kind, token ids)``; the concatenation equals :meth:`prompt_ids` without the generation
         prompt (and ``encode(render(messages))`` when no content spells a special token)."""
-        _check_messages(messages)
+        check_messages(messages)
         if kinds is not None:
             check_type("kinds", kinds, (list, tuple))
             if len(kinds) != len(messages):
                 raise InvalidArgumentError(f"kinds: expected one per message ({len(messages)}), got {len(kinds)}")
         out, history = [], []
         for i, message in enumerate(messages):
-            kind = kinds[i] if kinds is not None else _kind_of_role(message["role"])
+            kind = kinds[i] if kinds is not None else kind_of_role(message["role"])
             out.append((kind, self._added_ids(history, [*history, message])))
             history.append(message)
         return out
@@ -513,7 +430,7 @@ class ChatCodec:
 
     def with_tools(self, messages: Sequence[Message], tools: Sequence[str | Mapping[str, Any]] | None) -> list[Message]:
         """``messages`` with the tool-list message inserted after a leading system message (or first)."""
-        _check_messages(messages)
+        check_messages(messages)
         messages = list(messages)
         if not tools:
             return messages
@@ -558,7 +475,3 @@ class ChatCodec:
                         f"(the byte codec, or another tokenizer); load it with the manager that saved it"
                     )
             history.append(self.message(kind, ""))
-
-
-def _kind_of_role(role: str) -> str:
-    return {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool_result"}.get(role, "user")
