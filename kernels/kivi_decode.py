@@ -187,8 +187,8 @@ KERNELS = (decode_kivi_split_kernel,)
 
 # ---------------------------------------------------------------------------------------------- wrappers
 def kivi_warps(head_dim: int) -> int:
-    """Warps of a KIVI decode launch (:func:`memos_kernels.launch_plan.kivi_config`): 8 at head dim 128 and
-    above, else 4."""
+    """Warps of a KIVI decode launch (:func:`memos_kernels.launch_plan.kivi_config`): 8 (the unpacking's
+    registers shared by more threads)."""
     return kivi_config(1, 32, head_dim, torch.float16).num_warps
 
 

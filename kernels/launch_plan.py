@@ -117,9 +117,9 @@ def decode_config(group: int, block_size: int, head_dim: int, dtype: torch.dtype
 
     - int8/fp8 caches under fp32 queries: 1 stage (2 spill ~500 B: the dequantized fp32 tile of the next stage
       stays live beside the exact fp32 products);
-    - KIVI: a tile of at most 4,096 unpacked elements (2,048 under fp32 queries), 8 warps at head dim 128 (the
-      unpacking holds codes, scales and zeros of a tile: at head dim 128 4 warps spill ~300 B under 3.6, a
-      64-token tile 16 B at sm_87, 32 tokens in fp32 ~150 B; fp32 at head dim 64 with 64 tokens ~560 B)."""
+    - KIVI: 8 warps and a tile of at most 4,096 unpacked elements (2,048 under fp32 queries): the unpacking holds
+      codes, scales and zeros of a tile; at head dim 128 4 warps spill ~300 B under 3.6, a 64-token tile 16 B at
+      sm_87, 32 tokens in fp32 ~150 B; at head dim 64 in fp32 64 tokens ~560 B, 32 tokens with 4 warps 4 B."""
     del block_size
     elt = 4 if dtype == torch.float32 else 2
     tile = max(16, min(128, (16384 // elt) // head_dim))
@@ -127,9 +127,9 @@ def decode_config(group: int, block_size: int, head_dim: int, dtype: torch.dtype
     warps, stages = 4, 2 if elt == 4 else 3
     if quant in ("int8", "fp8") and elt == 4:
         stages = 1
-    if quant == "kivi":  # the unpacked tile's elements bounded: 4,096 in 16 bits, 2,048 in fp32
+    if quant == "kivi":  # 8 warps, the unpacked tile bounded: 16 elements a thread in 16 bits, 8 in fp32
         tile = max(16, min(tile, (8192 // elt) // head_dim))
-        warps = 8 if head_dim >= 128 else 4
+        warps = 8
     return DecodeConfig(tile=tile, gp=max(16, _next_pow2(group)), num_warps=warps, num_stages=stages)
 
 

@@ -201,8 +201,8 @@ def test_the_retuned_launches_that_spilled():
         assert launch_plan.decode_config(4, 16, 128, f16, quant).num_stages == 3
     assert launch_plan.kivi_config(4, 32, 128, f16) == launch_plan.DecodeConfig(32, 16, 8, 3)
     assert launch_plan.kivi_config(4, 32, 128, f32) == launch_plan.DecodeConfig(16, 16, 8, 2)
-    assert launch_plan.kivi_config(4, 32, 64, f16).num_warps == 4
-    assert launch_plan.kivi_config(4, 32, 64, f32).tile == 32  # 64 spilled ~560 B under 3.6 at sm_87/sm_90
+    assert launch_plan.kivi_config(4, 32, 64, f16) == launch_plan.DecodeConfig(64, 16, 8, 3)
+    assert launch_plan.kivi_config(4, 32, 64, f32) == launch_plan.DecodeConfig(32, 16, 8, 2)  # 64: ~560 B, 4 warps: 4 B
     assert launch_plan.prefill_launch(4, 16, 128, f16) == launch_plan.PrefillConfig(16, 4, 64, 8, 2)
     assert launch_plan.prefill_launch(4, 16, 128, f32) == launch_plan.PrefillConfig(8, 4, 16, 8, 2)
     assert launch_plan.prefill_launch(4, 16, 64, f16).num_warps == 4
