@@ -6,20 +6,41 @@ next; when the most likely one reaches ``threshold`` it is predicted. :func:`pre
 ``max_blocks`` of a prompt's blocks (through the tier manager's swap-in) and leaves them cached on the device,
 outside the prefix hit statistics (a prefetch is not a request). The simulator (:mod:`memos_ref.tiering.simulate`)
 and the session layer use the same predictor.
+
+:func:`prefetch` asks the manager only for what :class:`PrefetchHost` declares, so this module never imports
+:mod:`~memos_ref.tiering.manager` (which imports it).
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from memos_ref.errors import check_index, check_type
 
 if TYPE_CHECKING:
-    from memos_ref.tiering.manager import TierManager
+    from memos_ref.paged.store import PagedKV
 
-__all__ = ["MarkovPredictor", "prefetch"]
+__all__ = ["MarkovPredictor", "PrefetchHost", "prefetch"]
+
+
+class PrefetchHost(Protocol):
+    """What :func:`prefetch` needs of the tier manager (:class:`~memos_ref.tiering.manager.TierManager` is the
+    one): the device memory, its counters, and swap-in."""
+
+    kv: PagedKV
+    counts: Counter[str]
+
+    def extend_prefix(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        device_blocks: Sequence[int],
+        reloaded_out: list[int] | None = None,
+    ) -> list[int]:
+        """Blocks continuing ``device_blocks`` from the tiers (the caller owns one reference to each)."""
+        ...
 
 
 class MarkovPredictor:
@@ -44,7 +65,7 @@ class MarkovPredictor:
         return nxt if count / len(seen) >= self.threshold else None
 
 
-def prefetch(tm: TierManager, token_ids: Sequence[int], cache_salt: str | None = None, max_blocks: int = 8) -> int:
+def prefetch(tm: PrefetchHost, token_ids: Sequence[int], cache_salt: str | None = None, max_blocks: int = 8) -> int:
     """Bring up to ``max_blocks`` of a prompt's blocks from ``tm``'s tiers to the device ahead of its request;
     they wait there as cached blocks. Returns how many were fetched by this call."""
     max_blocks = check_index("max_blocks", max_blocks, lo=0)

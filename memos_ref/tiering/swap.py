@@ -1,4 +1,5 @@
-"""Swap-out and swap-in: moving blocks between the device pool and the tiers, under a :class:`TierManager`.
+"""Swap-out and swap-in: moving blocks between the device pool and the tiers, under a
+:class:`~memos_ref.tiering.manager.TierManager`.
 
 * **Swap-out** (:func:`swap_out_cached`): cached blocks — held by no live sequence — that are not pinned and were
   not used within the minimum residency are written to the first tier that takes them and freed on the device,
@@ -9,27 +10,61 @@
   hashed once); device blocks further along are taken with the allocator's verified ``take_cached``; the run
   found is reloaded into fresh device blocks — or recomputed when the cost model says so. A copy that cannot be
   read ends the run: the rest is recomputed, never guessed.
+
+What the functions need of the manager is :class:`SwapHost`, a Protocol declared here, so this module never imports
+:mod:`~memos_ref.tiering.manager` (which imports it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from memos_ref.paged.allocator import BlockState
 from memos_ref.paged.prefix import PrefixHit
 from memos_ref.tiering.policies import BlockHistory
 
 if TYPE_CHECKING:
-    from memos_ref.tiering.manager import TierManager
+    from memos_ref.paged.store import PagedKV
+    from memos_ref.tiering.store import TierStore
 
-__all__ = ["candidates", "extend_prefix", "store_block", "swap_out_cached", "write_back"]
+__all__ = ["SwapHost", "candidates", "extend_prefix", "store_block", "swap_out_cached", "write_back"]
 
 _Plan = list[tuple[int, bytes, "str | None", "int | None"]]  # (block index, hash, tier or None, device block)
 
 
+class SwapHost(Protocol):
+    """What swapping needs of the tier manager (:class:`~memos_ref.tiering.manager.TierManager` is the one): the
+    device memory and the tiers, the policy state it keeps, its counters and clock, and the reload-or-recompute
+    decision."""
+
+    kv: PagedKV
+    store: TierStore
+    counts: Counter[str]
+    history: dict[int, BlockHistory]  # device block -> its uses (the policies rank by them)
+    pinned: set[bytes]  # prefix hashes never swapped out
+    kinds: dict[bytes, str]  # prefix hash -> what the block holds (system, tools, memory, turn)
+    min_residency: float
+    write_back: bool
+    clock: Callable[[], float]
+    priority: Callable[[BlockHistory, float], float]
+
+    def note_swap(self, n: int, now: float) -> None:
+        """Record ``n`` blocks moved at ``now``."""
+        ...
+
+    def touch(self, blocks: Iterable[int], now: float | None = None) -> None:
+        """Record a use of ``blocks``."""
+        ...
+
+    def should_reload_run(self, tier: str, blocks: int, start_block: int, stop_block: int) -> bool:
+        """Reload ``blocks`` blocks from ``tier`` (True), or recompute from ``start_block`` on (False)?"""
+        ...
+
+
 # ---------------------------------------------------------------------- swap-out
-def store_block(tm: TierManager, block: int, key: str) -> str | None:
+def store_block(tm: SwapHost, block: int, key: str) -> str | None:
     """Write a device block to the first tier that takes it; the tier's name, or None."""
     data = tm.kv.pool.block(block)
     for tier in tm.store.tiers:
@@ -38,7 +73,7 @@ def store_block(tm: TierManager, block: int, key: str) -> str | None:
     return None
 
 
-def write_back(tm: TierManager, block: int, block_hash: bytes | None) -> None:
+def write_back(tm: SwapHost, block: int, block_hash: bytes | None) -> None:
     """Write an evicted cached block to the first tier (unless write-back is off or a tier has it already)."""
     if not tm.write_back or block_hash is None or tm.store.locate(block_hash.hex()) is not None:
         return
@@ -49,7 +84,7 @@ def write_back(tm: TierManager, block: int, block_hash: bytes | None) -> None:
         tm.counts["write_back_refused"] += 1  # no tier took it: the block is lost, and recomputed if needed
 
 
-def candidates(tm: TierManager, now: float) -> list[int]:
+def candidates(tm: SwapHost, now: float) -> list[int]:
     """Cached blocks that may be swapped out, lowest policy priority first."""
     a = tm.kv.allocator
     out = []
@@ -68,7 +103,7 @@ def candidates(tm: TierManager, now: float) -> list[int]:
     return [b for b, _ in sorted(out, key=lambda pair: tm.priority(pair[1], now))]
 
 
-def swap_out_cached(tm: TierManager, target_held: int, now: float) -> int:
+def swap_out_cached(tm: SwapHost, target_held: int, now: float) -> int:
     """Move cached blocks to the tiers until the device holds ``target_held`` blocks; how many moved."""
     a, moved = tm.kv.allocator, 0
     for b in candidates(tm, now):
@@ -96,7 +131,7 @@ def swap_out_cached(tm: TierManager, target_held: int, now: float) -> int:
 
 # ---------------------------------------------------------------------- swap-in
 def extend_prefix(
-    tm: TierManager,
+    tm: SwapHost,
     token_ids: Sequence[int],
     cache_salt: str | None,
     device_blocks: Sequence[int],
@@ -145,7 +180,7 @@ def extend_prefix(
 
 
 def chain_for(
-    tm: TierManager, token_ids: list[int], cache_salt: str | None, device_blocks: Sequence[int], limit: int
+    tm: SwapHost, token_ids: list[int], cache_salt: str | None, device_blocks: Sequence[int], limit: int
 ) -> list[bytes]:
     """Chain hashes of blocks ``0..limit-1``: the chain the device lookup computed when ``device_blocks`` carries
     it for these token ids (no hashing at all); else those past the device prefix continue from its last
@@ -165,7 +200,7 @@ def chain_for(
 
 
 def _reload(
-    tm: TierManager,
+    tm: SwapHost,
     plan: _Plan,
     from_tiers: _Plan,
     token_ids: list[int],
