@@ -9,7 +9,9 @@ import json
 
 import pytest
 
-from memos_ref.memory import ShardedStore, TTLStore
+from memos_ref.errors import ArgumentTypeError, CapacityExceededError, ConfigError, InvalidArgumentError, StateError
+from memos_ref.memory import AbsentKeyError, ShardedStore, TTLStore
+from memos_ref.memory.store import MISSING, encode_value, json_text
 
 
 class Clock:
@@ -111,3 +113,190 @@ def test_replacing_values_at_the_byte_budget_keeps_the_budget():
         store.set("k0", "z" * 40)  # 2 + 42 = 44: 44 + 15 > 50
         assert store.get("k0") == "z" * 40, name
         assert shard.bytes <= 50 and shard.bytes == sum(e.size_bytes for e in shard.entries()), name
+
+
+# ---------------------------------------------------------------- full mutmut run of store.py / values.py (issue 30)
+
+BAD_KEYS = [("has space", ConfigError), ("", ConfigError), ("x" * 251, ConfigError), ("tab\there", ConfigError),
+            ("new\nline", ConfigError), (5, ArgumentTypeError), (b"bytes", ArgumentTypeError)]  # fmt: skip
+
+
+@pytest.mark.parametrize("key, error", BAD_KEYS)
+def test_every_write_and_read_path_refuses_a_bad_key_and_changes_nothing(key, error):
+    """A key that could not be a Redis key (whitespace, control characters, empty, over 250 characters, not a str)
+    is refused on every path — TTLStore.set, a one-shard ShardedStore's set (which checks the key itself) and get
+    — with the error naming it, and the store is left as it was; 250 printable characters are accepted."""
+    for name, store, shard, _clock in _stores("lru"):
+        store.set("ok", 1)
+        with pytest.raises(error):
+            store.set(key, 1)
+        with pytest.raises(error):
+            store.get(key)
+        assert len(shard) == 1 and shard.bytes == _size("ok", 1) and shard.stats == {"sets": 1}, name
+        store.set("y" * 250, 2)
+        assert store.get("y" * 250) == 2, name
+
+
+def test_an_entry_larger_than_the_byte_budget_is_refused_naming_the_binding_limit():
+    """An entry over max_bytes (but under max_value_bytes) is refused saying max_bytes is the reason; one over
+    max_value_bytes says the largest allowed size. needed/capacity carry the figures; nothing is stored."""
+    for name, store, shard, _clock in _stores("lru", max_bytes=50, max_value_bytes=1_000):
+        with pytest.raises(CapacityExceededError, match="max_bytes is 50, so an entry this large") as info:
+            store.set("k", "x" * 60)  # 1 + 62 bytes
+        assert (info.value.needed, info.value.capacity) == (63, 50) and len(shard) == 0, name
+        store.set("k", "x" * 47)  # 1 + 49 = 50: exactly the budget
+        assert shard.bytes == 50, name
+    for name, store, shard, _clock in _stores("lru", max_bytes=10_000, max_value_bytes=20):
+        with pytest.raises(CapacityExceededError, match="is 21 bytes; the largest allowed is 20") as info:
+            store.set("k", "x" * 18)
+        assert "max_bytes" not in str(info.value) and info.value.capacity == 20 and len(shard) == 0, name
+
+
+BAD_ARGS = [
+    ({"max_entries": 0}, ConfigError, "capacity limits must be positive"),
+    ({"max_bytes": -1}, ConfigError, "capacity limits must be positive"),
+    ({"max_value_bytes": 0}, ConfigError, "capacity limits must be positive"),
+    ({"max_entries": 2.5}, ArgumentTypeError, "max_entries: expected int"),
+    ({"max_bytes": True}, ArgumentTypeError, "max_bytes: expected int"),
+    ({"max_value_bytes": "9"}, ArgumentTypeError, "max_value_bytes: expected int"),
+    ({"policy": "fifo"}, ConfigError, r"policy must be one of \('lru', 'lfu', 'hybrid'\), got 'fifo'"),
+    ({"policy": 1}, ArgumentTypeError, "policy: expected str"),
+    ({"default_ttl": 0}, InvalidArgumentError, "default_ttl"),
+    ({"clock": 5}, ArgumentTypeError, "clock: expected a callable, got int"),
+    ({"hybrid_weights": [0.1, 10.0]}, ArgumentTypeError, "hybrid_weights: expected tuple"),
+    ({"hybrid_weights": (0.1,)}, ConfigError, r"hybrid_weights must be a pair \(a, b\), got \(0.1,\)"),
+    ({"hybrid_weights": (0.1, "b")}, ArgumentTypeError, r"hybrid_weights\[i\]: expected int or float"),
+    ({"sample": 0}, ConfigError, "sample must be >= 1 or None, got 0"),
+    ({"sample": 2.0}, ArgumentTypeError, "sample: expected int"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, message", BAD_ARGS)
+def test_a_bad_constructor_argument_is_refused_naming_it(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        TTLStore(**kwargs)
+
+
+def test_the_smallest_valid_limits_are_accepted_and_hold():
+    """max_entries=1 and sample=1 are valid: the store holds one entry and evicts the other on every new key."""
+    store = TTLStore(max_entries=1, sample=1, policy="lfu", default_ttl=None)
+    store.set("a", 1)
+    store.set("b", 2)
+    assert [e.key for e in store.entries()] == ["b"] and store.stats["evictions_entries"] == 1
+    assert (store.max_entries, store.sample, store.policy, store.default_ttl) == (1, 1, "lfu", None)
+
+
+def test_the_hybrid_and_lfu_scores_are_the_documented_formulas():
+    """hybrid: (1 + a*count) / (1 + age/b) with age clamped at 0; lfu: the count itself."""
+    clock = Clock()
+    hybrid = TTLStore(clock=clock, hybrid_weights=(0.5, 20.0), default_ttl=None)
+    hybrid.set("k", 1)
+    for _ in range(4):
+        hybrid.get("k")
+    entry = hybrid.entry("k")
+    assert hybrid.score(entry, clock.t + 10) == pytest.approx((1 + 0.5 * 4) / (1 + 10 / 20))
+    assert hybrid.score(entry, clock.t - 50) == pytest.approx(1 + 0.5 * 4)  # a clock behind: age 0, not negative
+    lfu = TTLStore(clock=clock, policy="lfu", default_ttl=None)
+    lfu.set("k", 1)
+    lfu.get("k")
+    assert lfu.score(lfu.entry("k"), clock.t + 99) == 1.0
+
+
+def test_sampled_eviction_scores_only_the_least_recently_used_candidates():
+    """With sample=2 only the two least recently used keys (other than the one being set) are candidates: the
+    never-read "c", written last, is not among them and survives although its score is the lowest; with
+    sample=None every entry is scored and "c" goes."""
+    for sample, kept in ((2, {"b", "c", "d"}), (None, {"a", "b", "d"})):
+        store = TTLStore(clock=Clock(), policy="lfu", max_entries=3, sample=sample, default_ttl=None)
+        for key in ("a", "b"):
+            store.set(key, key)
+            for _ in range(3):
+                store.get(key)
+        store.set("c", "c")  # recency: a, b, c; counts 3, 3, 0
+        store.set("d", "d")  # sampled: a or b (a tie at 3: the least recent, a); all: c
+        assert {e.key for e in store.entries()} == kept, sample
+
+
+def test_an_entry_expires_at_its_expiry_exactly_on_every_read_path():
+    """At expire_at exactly an entry is gone for get, in, ttl and delete (expiry is `now >= expire_at`); a moment
+    before, it is live with the exact seconds left."""
+    for name, store, shard, clock in _stores("lru"):
+        store.set("k", 1, ttl=10)
+        clock.t += 9.5
+        assert "k" in shard and shard.remaining_ttl("k") == pytest.approx(0.5) and store.get("k") == 1, name
+        clock.t += 0.5
+        assert "k" not in shard and store.get("k") is None, name
+        store.set("j", 1, ttl=10)
+        clock.t += 10
+        with pytest.raises(AbsentKeyError):
+            shard.remaining_ttl("j")
+        assert shard.delete("j") is False and shard.stats["expirations"] == 2, name
+        store.set("n", 1, ttl=None)
+        assert shard.remaining_ttl("n") is None, name
+
+
+def test_delete_clear_and_negative_entries_count_and_answer_exactly():
+    clock = Clock()
+    store = TTLStore(clock=clock, default_ttl=60)
+    store.set("a", 1)
+    store.set("b", 2)
+    store.set_missing("m", 5)
+    assert store.lookup("m") is MISSING and store.get("m") is None and "m" in store
+    with pytest.raises(AbsentKeyError, match="no live value for key 'm'"):
+        store.remaining_ttl("m")
+    assert store.delete("a") is True and store.delete("a") is False and store.stats["deletes"] == 1
+    store.clear()
+    assert len(store) == 0 and store.bytes == 0 and store.heap_size == 0 and store.stats["deletes"] == 3
+    assert repr(MISSING) == "MISSING"
+    long = AbsentKeyError("k" * 100)
+    assert str(long) == f"no live value for key {'k' * 80!r} (100 characters)"
+
+
+def test_update_refuses_re_entry_and_a_failing_fn_changes_nothing():
+    store = TTLStore(clock=Clock(), default_ttl=60)
+    store.set("n", 1)
+    with pytest.raises(StateError, match="called from inside update"):
+        store.update("n", lambda v: store.get("n"))
+    with pytest.raises(StateError):
+        store.update("n", lambda v: store.set("x", 1))
+    with pytest.raises(ArgumentTypeError, match="fn: expected a callable, got int"):
+        store.update("n", 5)
+    assert store.get("n") == 1 and "x" not in store and store.update("n", lambda v: v + 1) == 2
+
+
+@pytest.mark.parametrize(
+    "value", [{"a": [1, 2.5, None, True]}, [1, "é☃", {"b": {}}], "plain", 3, -0.0, None, {"k": 'x\n\t"\\'}]
+)
+def test_json_text_is_compact_strict_ascii_json(value):
+    """json_text writes exactly what json.dumps writes with separators=(",", ":"), allow_nan=False (ASCII, no
+    spaces); NaN and the infinities are refused. (Built once at import: mutmut cannot switch its mutants on, so
+    this test is checked by hand.)"""
+    assert json_text(value) == json.dumps(value, separators=(",", ":"), allow_nan=False)
+    for bad in (float("nan"), [float("inf")], {"x": -float("inf")}):
+        with pytest.raises(ValueError):
+            json_text(bad)
+
+
+def test_encode_value_bounds_and_errors_name_their_figures():
+    """encode_value (the Redis backend's encoder) accepts len(key) + len(JSON) == max_value_bytes exactly, refuses
+    one byte more with needed/capacity set, and names the exception type of a value JSON cannot encode."""
+    assert encode_value("k", "x" * 7, 10) == b'"xxxxxxx"'
+    with pytest.raises(CapacityExceededError, match="is 11 bytes; the largest allowed is 10") as info:
+        encode_value("k", "x" * 8, 10)
+    assert (info.value.needed, info.value.capacity) == (11, 10)
+    with pytest.raises(ConfigError, match=r"value for 'k' is not JSON-serialisable: TypeError: "):
+        encode_value("k", object(), 10)
+
+
+def test_entry_inspection_negative_ttl_and_update_ttl():
+    """entry() names its key (None for an absent key); a negatively cached key expires after its own TTL; update()
+    stores with the TTL it is given."""
+    for name, store, shard, clock in _stores("lru"):
+        store.set("k", 1)
+        assert shard.entry("k").key == "k" and shard.entry("absent") is None, name
+        shard.set_missing("m", 5)
+        assert shard.lookup("m") is MISSING, name
+        clock.t += 5
+        assert shard.lookup("m", "gone") == "gone", name
+        store.update("u", lambda v: 1, ttl=7)
+        assert shard.remaining_ttl("u") == pytest.approx(7), name
