@@ -42,7 +42,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	@touch $(STAMP)
 
-# The Redis backend's tests, notebook 10 and `bench memory` start a private redis-server: install it when
+# The Redis backend's tests, notebook 12 and `bench memory` start a private redis-server: install it when
 # missing (Debian/Ubuntu; root or passwordless sudo). In CI a missing redis-server is an error; elsewhere the
 # Redis tests skip with a reason.
 redis:

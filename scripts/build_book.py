@@ -34,9 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 DOCS = ROOT / "docs"
 
-CHAPTER_ORDER = ["00", "01", "02", "03", "04", "05", "05b", "06", "11", "07", "08", "09", "10"]
-"""Reading order, by the number before a notebook's first ``_`` (numbers are not renumbered when chapters are
-added: notebook 11 reads after tiering). A notebook not listed here comes after these, by name."""
+CHAPTER_ORDER = ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12"]
+"""Reading order, by the number before a notebook's first ``_``: the chapters are numbered in the order they are
+read. A notebook not listed here comes after these, by name."""
 
 MATHJAX_DIR = "mathjax"
 MATHJAX_URL = f"{MATHJAX_DIR}/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe"
@@ -56,7 +56,7 @@ MathJax.Hub.Config({tex2jax: {inlineMath: [['$','$'], ['\\\\(','\\\\)']], proces
 
 
 def chapter_key(path: Path) -> str:
-    """A notebook's chapter key: the part of its name before the first ``_`` ("05b" for ``05b_x.ipynb``)."""
+    """A notebook's chapter key: the part of its name before the first ``_`` ("07" for ``07_tiering.ipynb``)."""
     return path.name.split("_", 1)[0]
 
 
@@ -164,7 +164,7 @@ def _wrap(title: str, body: str) -> str:
 
 
 def build(out: Path, only: list[str] | None = None, *, progress: bool = True) -> list[Path]:
-    """Execute and render the chapters (``only``: their numbers, e.g. ``01`` or ``05b``), render every
+    """Execute and render the chapters (``only``: their numbers, e.g. ``01`` or ``07``), render every
     reference page of ``docs/``, and write the landing page; returns the pages written."""
     try:
         paths = ordered(notebook_paths(NOTEBOOKS, only))
