@@ -11,8 +11,8 @@ The accounting, all in bytes (GiB = 2³⁰):
   ``lm_head`` copy of the embedding, as TensorRT-LLM's converter and this package's export write one;
 * **free** = ``MemTotal`` − the named terms of :mod:`memos_edge.memory` (OS and desktop, CUDA context, the
   engine's activations for its ``max_num_tokens`` and ``max_batch``, the weights, the engine file's page cache,
-  and without mmap the host copy), each with its source; ``memory_model="nominal"`` is the accounting before
-  issue 28 (nominal memory − 2 GiB OS − 1.5 GiB runtime − weights), kept to show what changed;
+  and without mmap the host copy), each with its source; ``memory_model="nominal"`` is the naive
+  accounting (nominal memory − 2 GiB OS − 1.5 GiB runtime − weights), kept for comparison;
 * **KV budget** = ``kv_fraction`` × free (0.9: TensorRT-LLM's ``kv_cache_free_gpu_memory_fraction`` default).
   Calibrated against NVIDIA's Llama-3-8B INT4 run on AGX Orin 64GB: :func:`calibration_table`;
 * **tokens_per_block** T: seed 001 §6.2 wants ~1 MiB blocks for Orin's 2–4 MiB L2. The quantity meant is the
@@ -231,7 +231,7 @@ def plan(
     w = weight_bytes(cfg, weights)
     host_copy = 0 if use_mmap else w  # README4Jetson: total memory 16.2 GB without mmap, 11.2 GB with
     nominal = round(profile.memory_gib * GIB)
-    if memory_model == "nominal":  # before issue 28: nominal memory, 2 GiB OS, 1.5 GiB runtime
+    if memory_model == "nominal":  # the nominal accounting: nominal memory, 2 GiB OS, 1.5 GiB runtime
         os_bytes, runtime = (
             round((2.0 if os_reserve_gib is None else os_reserve_gib) * GIB),
             round((1.5 if runtime_gib is None else runtime_gib) * GIB),
@@ -332,7 +332,7 @@ def nvidia_implied_kv_tokens(kv_bytes_per_token: int) -> dict[str, int]:
 
 def calibration_table() -> list[dict[str, Any]]:
     """The calibrated plan beside NVIDIA's figures for Llama-3-8B INT4 on AGX Orin 64GB, built with trtllm-build's
-    defaults as NVIDIA did: one row per quantity, with the nominal (pre-issue-28) accounting for comparison."""
+    defaults as NVIDIA did: one row per quantity, with the nominal accounting for comparison."""
     kw: dict[str, Any] = {"weights": "int4", "kv_dtype": "fp16"}
     cal, off = plan("llama-3-8b", "orin-agx-64gb", **kw), plan("llama-3-8b", "orin-agx-64gb", use_mmap=False, **kw)
     old = plan("llama-3-8b", "orin-agx-64gb", memory_model="nominal", **kw)

@@ -1,4 +1,4 @@
-"""The planner's tables for ``edge/README.md`` and notebook 09, generated, so no figure there is typed by hand.
+"""The planner's tables for ``edge/README.md`` and notebook 11, generated, so no figure there is typed by hand.
 
 ``python -m memos_edge.report`` prints every table; ``python -m memos_edge.report --write edge/README.md``
 rewrites the generated blocks in place (each between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``);

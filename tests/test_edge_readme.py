@@ -47,7 +47,7 @@ def _planner_numbers() -> set[str]:
 
 
 def test_no_planner_figure_is_typed_outside_the_generated_blocks():
-    # before issue 28 the README typed "about 400k tokens", 407552, 176000, 2524800 and "0.20 GiB of weights read
+    # the README once typed "about 400k tokens", 407552, 176000, 2524800 and "0.20 GiB of weights read
     # per token" (the planner said 0.25) in its prose
     prose = _BLOCK.sub("", README.read_text())
     stale = ["407552", "407,552", "400k", "176000", "176,000", "2524800", "2,524,800", "0.20 GiB"]
@@ -76,12 +76,12 @@ def test_the_container_checklist_is_five_commands_the_script_understands():
     assert "MAXN=no" in run[run.index("-e") + 1]  # the host set MAX-N in command 1; no sudo inside the container
 
 
-def test_notebook_09_types_no_planner_figure_in_its_prose():
-    # issue 28 item 7: the notebook's numbers come from plan() in its code cells; its markdown names none of them
-    # (before: "2 GiB" OS, "1.5 GiB" runtime and "23,040 bytes of KV per token" were typed in the prose)
+def test_notebook_11_types_no_planner_figure_in_its_prose():
+    # the notebook's numbers come from plan() in its code cells; its markdown names none of them
+    # (it once typed: "2 GiB" OS, "1.5 GiB" runtime and "23,040 bytes of KV per token" were typed in the prose)
     import json
 
-    nb = json.loads((REPO / "notebooks" / "09_edge_jetson.ipynb").read_text())
+    nb = json.loads((REPO / "notebooks" / "11_edge_jetson.ipynb").read_text())
     prose = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
     assert [s for s in ("2 GiB", "1.5 GiB", "23,040", "176,000", "407,552") if s in prose] == []
     found = sorted(n for n in _planner_numbers() if re.search(rf"(?<![\d,.]){re.escape(n)}(?![\d,])", prose))

@@ -1,7 +1,7 @@
 """Short-term memory store (seed 002): a TTL key-value cache of JSON values with hybrid LRU/LFU eviction, an
 expiry heap, sharded locks and stampede protection, in this process (:class:`MemoryBackend`) or in Redis
 (:class:`RedisBackend`) behind one interface (:class:`CacheBackend`). Independent of the attention KV cache:
-see notebook 10 for how the two differ."""
+see notebook 12 for how the two differ."""
 
 from memos_ref.memory.backend import MISSING, CacheBackend
 from memos_ref.memory.metrics import MemoryMetrics

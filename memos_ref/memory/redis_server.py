@@ -1,4 +1,4 @@
-"""Start and stop a throwaway ``redis-server`` on a free loopback port — for tests, notebook 10 and
+"""Start and stop a throwaway ``redis-server`` on a free loopback port — for tests, notebook 12 and
 ``bench memory``. Nothing is persisted (no RDB, no AOF); the server is stopped by its PID.
 
 To use an existing Redis instead, give :class:`~memos_ref.memory.redis_backend.RedisBackend` its URL.

@@ -1,5 +1,5 @@
 """Start and stop a throwaway Redis Cluster on loopback — for the tests, ``make cluster``, ``bench cluster`` and
-notebook 11: ``masters`` masters with ``replicas`` replicas each, from Debian's ``redis-server`` and ``redis-cli``.
+notebook 08: ``masters`` masters with ``replicas`` replicas each, from Debian's ``redis-server`` and ``redis-cli``.
 
 Each node runs in its own directory under one temporary directory, with nothing persisted (no RDB, no AOF) and a
 short ``cluster-node-timeout`` (1 s by default), so a killed master's replica is promoted within a few seconds.

@@ -3,8 +3,8 @@
 KV values are floats whose bytes look random except the high ones (sign, exponent): general compressors find
 little to exploit in them. A *byte shuffle* groups the bytes of every element by significance (all first bytes,
 then all second bytes, ...) so that the exponent bytes, which repeat, sit together — the trick of Blosc and
-HDF5. DESIGN.md §7 expects ratios of roughly 1.0-1.4× on real fp16 KV; seed 001 §4.2 claims LZ4 2.1×,
-Zstd 3.3×. ``bench tiering`` and notebook 06 measure them on the shipped model's KV.
+HDF5. The design expects ratios of roughly 1.0-1.4× on real fp16 KV; seed 001 §4.2 claims LZ4 2.1×,
+Zstd 3.3×. ``bench tiering`` measures them on the shipped model's KV (docs/tiers.md).
 """
 
 from __future__ import annotations
