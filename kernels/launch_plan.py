@@ -128,7 +128,7 @@ def decode_config(group: int, block_size: int, head_dim: int, dtype: torch.dtype
     if quant in ("int8", "fp8") and elt == 4:
         stages = 1
     if quant == "kivi":  # 8 warps, the unpacked tile bounded: 16 elements a thread in 16 bits, 8 in fp32
-        tile = max(16, min(tile, (8192 // elt) // head_dim))
+        tile = max(16, min(tile, 64, (8192 // elt) // head_dim))  # 128 at head dim 32: 8 B under 3.6 at sm_90
         warps = 8
     return DecodeConfig(tile=tile, gp=max(16, _next_pow2(group)), num_warps=warps, num_stages=stages)
 
@@ -141,17 +141,19 @@ def kivi_config(group: int, block_size: int, head_dim: int, dtype: torch.dtype) 
 @functools.lru_cache(maxsize=256)
 def prefill_launch(group: int, block_size: int, head_dim: int, dtype: torch.dtype) -> PrefillConfig:
     """The prefill launch: the group padded to a power of two, ``QB`` query positions so that a program holds 64
-    rows (32 at head dim 128 in fp32), at least 16 (``tl.dot``'s minimum); the decode kernel's token tile (16 at
-    head dim 128 in fp32: 32 spills ~1 KB at sm_90, the exact fp32 products are scalar FMAs); 8 warps at head dim
-    128 (4 spill 36 bytes at sm_87 under Triton 3.6: the 64 × 128 fp32 accumulator and the scores share 4 warps'
-    registers), else 4; 2 stages."""
+    rows (32 in fp32), at least 16 (``tl.dot``'s minimum); the decode kernel's token tile, at
+    most 64 (128 at head dim 64 spills 60 B at sm_87 under 3.6), 16 in fp32 (the exact fp32
+    products are scalar FMAs: 32 spills ~1 KB at sm_90 at head dim 128, 64 ~1.8 KB at head dim 64); 8 warps at
+    head dim 64+ (4 spill 36 bytes at 128, sm_87, Triton 3.6: the fp32 accumulator and the scores share 4
+    warps' registers), else 4; 2 stages."""
     gp = _next_pow2(group)
-    rows = 32 if head_dim >= 128 and dtype == torch.float32 else 64
+    fp32 = dtype == torch.float32
+    rows = 32 if fp32 else 64
     qb = max(1, rows // gp, 16 // gp)
-    tile = decode_config(group, block_size, head_dim, dtype).tile
-    if head_dim >= 128 and dtype == torch.float32:
+    tile = min(64, decode_config(group, block_size, head_dim, dtype).tile)
+    if fp32:
         tile = 16
-    return PrefillConfig(qb, gp, tile, 8 if head_dim >= 128 else 4, 2)
+    return PrefillConfig(qb, gp, tile, 8 if head_dim >= 64 else 4, 2)
 
 
 # ---------------------------------------------------------------------------------------------- the domain

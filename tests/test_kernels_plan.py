@@ -205,4 +205,7 @@ def test_the_retuned_launches_that_spilled():
     assert launch_plan.kivi_config(4, 32, 64, f32) == launch_plan.DecodeConfig(32, 16, 8, 2)  # 64: ~560 B, 4 warps: 4 B
     assert launch_plan.prefill_launch(4, 16, 128, f16) == launch_plan.PrefillConfig(16, 4, 64, 8, 2)
     assert launch_plan.prefill_launch(4, 16, 128, f32) == launch_plan.PrefillConfig(8, 4, 16, 8, 2)
-    assert launch_plan.prefill_launch(4, 16, 64, f16).num_warps == 4
+    assert launch_plan.prefill_launch(4, 16, 64, f16) == launch_plan.PrefillConfig(16, 4, 64, 8, 2)  # 128: 60 B
+    assert launch_plan.prefill_launch(4, 16, 64, f32) == launch_plan.PrefillConfig(8, 4, 16, 8, 2)  # was ~1.8 KB
+    assert launch_plan.prefill_launch(4, 16, 32, f16).num_warps == 4
+    assert launch_plan.kivi_config(4, 32, 32, f16).tile == 64  # 128 spilled 8 B at sm_90 under 3.6
