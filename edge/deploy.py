@@ -27,7 +27,7 @@ import shlex
 from typing import Any
 
 from memos_edge import device_logs
-from memos_edge.build_config import BuildConfig, build_command, run_command, variants
+from memos_edge.build_spec import BuildConfig, build_command, run_command, variants
 from memos_edge.plan import Plan
 
 __all__ = ["CONTAINER_IMAGE", "CONTAINER_TRTLLM", "deploy_script", "plan_summary"]

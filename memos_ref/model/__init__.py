@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from memos_ref.errors import check_type
+from memos_ref.model.assets import shipped_model_dir
 from memos_ref.model.identity import fingerprint
 from memos_ref.model.llama import LlamaConfig, LlamaForward
 from memos_ref.model.pretrained import PRETRAINED, load_pretrained, pretrained_fingerprint, pretrained_path
@@ -41,11 +41,6 @@ __all__ = [
     "shipped_model_dir",
     "training_report",
 ]
-
-
-def shipped_model_dir() -> Path:
-    """Folder of the shipped weights (``config.json``, ``model.safetensors``, ``training_report.json``)."""
-    return Path(str(resources.files("memos_ref.model").joinpath("assets")))
 
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.float32) -> LlamaForward:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from memos_ref.errors import ArgumentTypeError, ConfigError
+from memos_ref.model.assets import shipped_model_dir
 
 __all__ = ["config_identity", "fingerprint"]
 
@@ -169,8 +170,6 @@ def fingerprint(source: Any = None) -> str:
     tensor shape or architecture field gives another.
     """
     if source is None:
-        from memos_ref.model import shipped_model_dir
-
         source = shipped_model_dir()
     if isinstance(source, (str, os.PathLike)):
         return _folder_fingerprint(Path(source))
