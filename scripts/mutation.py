@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import difflib
+import fcntl
 import fnmatch
 import json
 import os
@@ -29,6 +31,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -222,12 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tests", action="append", help="test file globs to use instead of the area's (a quick look)")
     args = ap.parse_args(argv)
 
-    record = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    record = load_record()
     head = git("rev-parse", "HEAD").strip()
     base = args.base or record.get("commit") or "HEAD~1"
-    record.setdefault("equivalent", [])
-    record.setdefault("modules", {})
-    record.setdefault("runs", [])
     for area in args.area or sorted(AREAS):
         module_globs, test_globs = AREAS[area]
         modules = head_files(module_globs)
@@ -265,21 +265,48 @@ def main(argv: list[str] | None = None) -> int:
         run_summary = {"area": area, "commit": head, "base": None if args.full else base, "seconds": seconds}
         run_summary.update(tests=tests, only=args.function, max_children=args.max_children)
         run_summary["functions"] = sum(map(len, targets.values()))
-        for module, names in targets.items():
-            got = collect(tree, module, names)
-            entry = record["modules"].setdefault(module, {"functions": {}})
-            present = set(mangled_functions(git("show", f"HEAD:{module}")))
-            entry["functions"] = {n: v for n, v in entry["functions"].items() if n in present}  # gone: dropped
-            entry["functions"].update(got)
-            entry["totals"] = module_totals(entry["functions"], record["equivalent"], module)
-            entry["commit"] = head
-            t = module_totals(got, record["equivalent"], module)
-            run_summary.setdefault("modules", {})[module] = {k: t[k] for k in ("mutants", "killed", "survived")}
-            print(f"   {module}: {entry['totals']}")
-        record["runs"].append(run_summary)
+        if done.returncode != 0:
+            run_summary["partial"] = True  # stopped (deadline, kill): what mutmut's meta holds is recorded
+        with results_lock():
+            record = load_record()  # another area's process may have saved since this one started
+            record_area(record, targets, tree, head, run_summary)
+            save(record, head)  # after each area: an interrupted run keeps what finished
         print(f"   {area}: {seconds} s")
-        save(record, head)  # after each area: an interrupted run keeps what finished
     return 0
+
+
+def load_record() -> dict:
+    record = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    for key, empty in (("equivalent", []), ("modules", {}), ("runs", [])):
+        record.setdefault(key, empty)
+    return record
+
+
+@contextlib.contextmanager
+def results_lock():
+    """An exclusive lock on ``results/mutation.json``, so areas run as separate processes merge, not overwrite."""
+    with open(Path(tempfile.gettempdir()) / "memos-mutation-results.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def record_area(record: dict, targets: dict[str, set[str]], tree: Path, head: str, run_summary: dict) -> None:
+    """Merge one area's results (from mutmut's meta files under ``tree``) into ``record``."""
+    for module, names in targets.items():
+        got = collect(tree, module, names)
+        entry = record["modules"].setdefault(module, {"functions": {}})
+        present = set(mangled_functions(git("show", f"HEAD:{module}")))
+        entry["functions"] = {n: v for n, v in entry["functions"].items() if n in present}  # gone: dropped
+        entry["functions"].update(got)
+        entry["totals"] = module_totals(entry["functions"], record["equivalent"], module)
+        entry["commit"] = head
+        t = module_totals(got, record["equivalent"], module)
+        run_summary.setdefault("modules", {})[module] = {k: t[k] for k in ("mutants", "killed", "survived")}
+        print(f"   {module}: {entry['totals']}")
+    record["runs"].append(run_summary)
 
 
 def save(record: dict, head: str) -> None:
