@@ -3,6 +3,8 @@ per node, tenants, TTL and budget, planted values, a full node, a slot migrated 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import redis
 import torch
 
@@ -257,3 +259,116 @@ def test_an_untrusted_usage_counter_refuses_every_write(redis_cluster):
     assert b.put("big", b"z" * 2000) is False and b.counts["budget_refused"] == len(planted) + 2
     assert b.put("fits", b"z" * 1000) is True and b.nbytes == 10_000
     b.clear()
+
+
+class RoundTrips:
+    """Counts round trips per node port at the socket (every packed send of a connection: one command, or one
+    whole pipeline), independently of the backend's own counts."""
+
+    def __init__(self, monkeypatch) -> None:
+        from redis.connection import AbstractConnection
+
+        self.by_port: Counter[int] = Counter()
+        send = AbstractConnection.send_packed_command
+
+        def counted(conn, command, check_health=True):
+            self.by_port[int(conn.port)] += 1
+            return send(conn, command, check_health)
+
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+
+    def window(self) -> Counter[int]:
+        """The round trips since the last window."""
+        out, self.by_port = self.by_port, Counter()
+        return out
+
+
+def test_redirected_reads_are_batched_per_node(redis_cluster, monkeypatch):
+    """A prefix's blocks on slots being migrated are re-read in one pipelined round per node they are redirected
+    to, not one round trip per block: half-way through the migration (values moved: ASK) and after it (a stale
+    slot map: MOVED) — round trips counted per node at the socket, the bytes checked against what was written."""
+    b = backend(redis_cluster, "batched")
+    items = {f"q{i:02d}": bytes([i]) * (200 + i) for i in range(24)}  # a prompt's 24 blocks
+    assert all(b.put_many(items).values()) and b.get_many(items) == items  # every node's connection is open
+    owners = {k: owner(redis_cluster, b.prefix + f"{{{k}}}:v") for k in items}
+    src_port = Counter(owners.values()).most_common(1)[0][0]
+    dst_port = next(p for p in redis_cluster.master_ports() if p != src_port)
+    moving = [k for k in items if owners[k] == src_port]
+    assert len(moving) >= 4  # several blocks of the prefix on the migrating slots
+    src, dst = node(redis_cluster, src_port), node(redis_cluster, dst_port)
+    src_id, dst_id = src.cluster("myid").decode(), dst.cluster("myid").decode()
+    slots = {k: src.cluster("keyslot", b.prefix + f"{{{k}}}:v") for k in moving}
+    for k in moving:  # half-way: every moving block's value is on the new owner, its metadata not yet
+        dst.execute_command("CLUSTER", "SETSLOT", slots[k], "IMPORTING", src_id)
+        src.execute_command("CLUSTER", "SETSLOT", slots[k], "MIGRATING", dst_id)
+        src.execute_command("MIGRATE", "127.0.0.1", dst_port, "", 0, 5000, "KEYS", b.prefix + f"{{{k}}}:v")
+    trips = RoundTrips(monkeypatch)
+    assert b.get_many(items) == items  # the values answer ASK: followed, the right bytes
+    ask = trips.window()
+    others = {p: 1 for p in redis_cluster.master_ports() if p not in (src_port, dst_port)}
+    # one round per node, plus one for every redirected value together on the node they were redirected to
+    assert ask == Counter({src_port: 1, dst_port: 2, **others}), ask
+    assert b.error_counts["ask"] == len(moving) and b.counts["redirect_retries"] == len(moving)
+    for k in moving:  # the migration ends: the metadata moves, every master learns the new owner
+        src.execute_command("MIGRATE", "127.0.0.1", dst_port, "", 0, 5000, "KEYS", b.prefix + f"{{{k}}}:m")
+    for port in redis_cluster.master_ports():
+        for slot in set(slots.values()):
+            node(redis_cluster, port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    trips.window()
+    assert b.get_many(items) == items  # the client's slot map is stale: MOVED for value and metadata, followed
+    moved = trips.window()
+    assert moved == Counter({src_port: 1, dst_port: 2, **others}), moved
+    assert b.error_counts["moved"] == 2 * len(moving) and b.counts["redirect_retries"] == 3 * len(moving)
+    assert b.get_many(items) == items  # the slot map re-read (MOVED showed it stale): no redirection any more
+    assert b.error_counts["moved"] == 2 * len(moving) and b.counts["redirect_retries"] == 3 * len(moving)
+    assert b.counts["slot_map_refreshes"] == 1
+    b.clear()
+
+
+def test_a_redirection_that_never_settles_is_a_bounded_counted_miss():
+    """A node that answers every re-sent command with another ASK (or names a node the slot map does not know)
+    is followed at most MAX_REDIRECT_ROUNDS times, in one pipeline per round: then a counted failure (a miss)."""
+    from redis.exceptions import AskError, MovedError
+
+    from memos_ref.tiering.cluster_nodes import MAX_REDIRECT_ROUNDS, ClusterNodes
+
+    class Node:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    class Pipe:
+        def __init__(self, sent: list) -> None:
+            self.sent, self.commands = sent, []
+
+        def execute_command(self, *args):
+            self.commands.append(args)
+
+        def execute(self, raise_on_error=True):
+            self.sent.append(list(self.commands))
+            return [b"OK" if c == ("ASKING",) else AskError("7 127.0.0.1:7001") for c in self.commands]
+
+    class Client:
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def get_node(self, host=None, port=None, node_name=None):
+            name = node_name or f"{host}:{port}"
+            return Node(name) if name in ("127.0.0.1:7001", "127.0.0.1:7002") else None
+
+        def get_redis_connection(self, node):
+            return type("R", (), {"pipeline": lambda _self, transaction=False: Pipe(self.sent)})()
+
+    counts: Counter[str] = Counter()
+    client = Client()
+    nodes = ClusterNodes(
+        [("127.0.0.1", 7000)], {}, timeout=0.1, retry_after=0, failure_threshold=1, counts=counts, client=client
+    )
+    asked = [(("GETRANGE", f"k{i}", 0, 10), AskError(f"{i} 127.0.0.1:7002")) for i in range(5)]
+    unknown = [(("GETRANGE", "u", 0, 10), MovedError("9 10.9.9.9:7777"))]
+    got = nodes.follow(asked + unknown)
+    assert got == [None] * 6  # never settled, or nowhere to go: failures, not exceptions
+    assert len(client.sent) == MAX_REDIRECT_ROUNDS  # one pipeline per round, every redirected command in it
+    assert client.sent[0] == [c for (cmd, _) in asked for c in (("ASKING",), cmd)]
+    assert counts["redirect_exhausted"] == 5 and counts["redirect_unknown_node"] == 1
+    assert counts["redirect_retries"] == 5 * MAX_REDIRECT_ROUNDS
+    assert nodes.error_counts["ask"] == 5 * MAX_REDIRECT_ROUNDS  # every redirect re-answered, counted

@@ -7,13 +7,16 @@ salt, every token before it), so two processes computing the same prefix write t
 no locks are needed — the last writer wins, and every writer writes the same thing.
 
 Rounds. :meth:`get_many` and :meth:`put_many` group keys by the node owning their slot (from the client's slot
-map, no network) and send one pipeline per node. :meth:`read_ahead` fetches a prompt's blocks that way and keeps
+map, no network) and send one pipeline per node; a read's replies that answer ``MOVED``/``ASK`` (a slot migrated or
+migrating) are re-sent in one pipeline per node they name, at most twice (the nodes' part lives in
+:mod:`~memos_ref.tiering.cluster_nodes`). :meth:`read_ahead` fetches a prompt's blocks that way and keeps
 them for a few seconds, so the tier store's per-block ``contains``/``get`` that follow cost no round trip.
 
 Reads are bounded before anything is decoded: ``GETRANGE 0 max_item_bytes`` (a planted huge value is never
 fully read), the metadata likewise; a value whose length or digest disagrees with its metadata is a miss counted
 ``corrupt`` (the block file's own checksum is checked again by the tier store). Nothing a server answers raises
-into the caller: ``MOVED``/``ASK`` (retried once through the cluster client after the slot map is refreshed),
+into the caller: ``MOVED``/``ASK`` on a read (followed in batches, the slot map re-read after ``MOVED``; on a write,
+dropped),
 ``CLUSTERDOWN``, ``TRYAGAIN``, a refused or timed-out node (a killed or hung one: that node is left alone for
 ``retry_after`` s), ``OOM``, ``WRONGTYPE`` — each is a miss or a dropped write, counted by kind and by node
 (:meth:`stats`, :class:`~memos_ref.tiering.cluster_metrics.ClusterMetrics`).
@@ -27,16 +30,15 @@ integer) refuses every write, counted ``budget_untrusted``. ``ttl`` expires bloc
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
-from memos_ref.errors import ArgumentTypeError, BackendUnavailableError, ConfigError, check_index, check_type
-from memos_ref.resilient import DEFAULT_TIMEOUT_S, check_seconds, error_kind, ttl_to_px, validate_ttl
+from memos_ref.errors import ArgumentTypeError, ConfigError, check_index, check_type
+from memos_ref.resilient import DEFAULT_TIMEOUT_S, check_seconds, ttl_to_px, validate_ttl
 from memos_ref.tiering.backends import TierBackend, validate_block_key
+from memos_ref.tiering.cluster_nodes import ClusterNodes, is_redirect, startup_nodes
 from memos_ref.tiering.cluster_readahead import ReadAhead
 from memos_ref.tiering.cluster_write import PUT_NEW, PUT_REFUSED, PUT_SAME, PUT_SCRIPT, USAGE_READ_BYTES, parse_usage
 
@@ -44,25 +46,11 @@ __all__ = ["ClusterTierBackend"]
 
 _REDIS_MAX_VALUE, _META_MAX = 512 * 2**20, 128  # the read bound; "<bytes>:<32 hex>" is at most 11 + 1 + 32 bytes
 _BYTES = (bytes, bytearray, memoryview)
+_FAILED = object()  # a reply that could not be had (a redirection not followed): already counted
 
 
 def _digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-def _nodes_of(url: str | list[tuple[str, int]]) -> list[tuple[str, int]]:
-    if isinstance(url, str):
-        parts = urlsplit(url)
-        if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-            raise ConfigError(f"url must be redis://host:port or rediss://host:port, got {url!r}")
-        return [(parts.hostname, parts.port or 6379)]
-    check_type("url", url, list)
-    for i, node in enumerate(url):
-        if not (isinstance(node, tuple) and len(node) == 2 and isinstance(node[0], str) and isinstance(node[1], int)):
-            raise ConfigError(f"url[{i}]: expected (host, port), got {node!r:.80}")
-    if not url:
-        raise ConfigError("url: expected at least one (host, port) startup node")
-    return list(url)
 
 
 class ClusterTierBackend(TierBackend):
@@ -128,28 +116,30 @@ class ClusterTierBackend(TierBackend):
         if failure_threshold < 1:
             raise ConfigError(f"failure_threshold must be >= 1, got {failure_threshold}")
         self.failure_threshold = failure_threshold
-        self.nodes = _nodes_of(url)
+        self.nodes = startup_nodes(url)
         tls = isinstance(url, str) and url.startswith("rediss://")
-        self._options: dict[str, Any] = dict(client_kwargs or {})
+        options: dict[str, Any] = dict(client_kwargs or {})
         passed = {"username": username, "password": password, "ssl_ca_certs": ssl_ca_certs}
         passed |= {"ssl_certfile": ssl_certfile, "ssl_keyfile": ssl_keyfile}
-        self._options |= {k: v for k, v in passed.items() if v is not None}
+        options |= {k: v for k, v in passed.items() if v is not None}
         if ssl or (ssl is None and tls):
-            self._options["ssl"] = True
+            options["ssl"] = True
         self.clock = clock
         self.prefix = f"{namespace}:{fingerprint[:16]}:{tenant}:"
         self._usage_key = f"{self.prefix}{{usage-{tenant}}}"
-        self._client = client
-        self.node_counts: dict[str, Counter[str]] = defaultdict(Counter)
-        self.error_counts: Counter[str] = Counter()
-        self.slowest_call_s = 0.0
-        self._down: dict[str, float] = {}  # node -> monotonic time until which it is left alone
-        self._timeouts: Counter[str] = Counter()
+        self._nodes = ClusterNodes(
+            self.nodes,
+            options,
+            timeout=self.timeout,
+            retry_after=self.retry_after,
+            failure_threshold=failure_threshold,
+            counts=self.counts,
+            clock=clock,
+            client=client,
+        )
         self._ahead = ReadAhead(self.readahead_s, clock=clock)
-        self._lock = threading.RLock()
-        self._stale, self._refreshed_at = False, float("-inf")  # the slot map: known stale; when last re-read
 
-    # ------------------------------------------------------------------ keys and the client
+    # ------------------------------------------------------------------ keys, the client, the counts
     def _vk(self, key: str) -> str:
         return f"{self.prefix}{{{validate_block_key(key)}}}:v"
 
@@ -159,97 +149,39 @@ class ClusterTierBackend(TierBackend):
     @property
     def client(self) -> Any:
         """The ``RedisCluster`` client, built at first use (None while no startup node answers)."""
-        if self._client is None:
-            try:
-                from redis.backoff import NoBackoff
-                from redis.cluster import ClusterNode, RedisCluster
-                from redis.retry import Retry
-            except ImportError as exc:  # pragma: no cover - redis is a dependency
-                raise BackendUnavailableError("redis-py is not installed: pip install redis") from exc
-            options = {
-                "socket_timeout": self.timeout,
-                "socket_connect_timeout": self.timeout,
-                "retry": Retry(NoBackoff(), 1),  # one retry: startup past a dead node listed in the slot map
-                "require_full_coverage": False,
-                **self._options,
-            }
-            for host, port in self.nodes:  # the first startup node that answers (a dead one must not stop us)
-                try:
-                    self._client = RedisCluster(startup_nodes=[ClusterNode(host, port)], **options)
-                    break
-                except TypeError as exc:  # an option redis-py does not know: a configuration error
-                    raise ConfigError(f"RedisCluster refused the options: {exc}") from None
-                except Exception as exc:  # this node did not answer: counted; the next one, or the next call
-                    self._count("client", exc)
-        return self._client
+        return self._nodes.client
+
+    @property
+    def client_options(self) -> dict[str, Any]:
+        """The keyword arguments given to ``RedisCluster`` beyond the timeouts (AUTH/ACL, TLS, ``client_kwargs``)."""
+        return dict(self._nodes.options)
+
+    @property
+    def node_counts(self) -> dict[str, Counter[str]]:
+        """Per node (``host:port``): ``rounds``, ``reads``, ``writes`` and ``errors_<kind>``."""
+        return self._nodes.node_counts
+
+    @property
+    def error_counts(self) -> Counter[str]:
+        """Errors by kind (``moved``, ``ask``, ``timeout``, ``oom``, ``wrongtype``, …), every node together."""
+        return self._nodes.error_counts
+
+    @property
+    def slowest_call_s(self) -> float:
+        """The slowest single network call so far (one pipeline or one command), seconds."""
+        return self._nodes.slowest_call_s
 
     def _count(self, node: str, exc: BaseException) -> str:
-        kind = _kind(exc)
-        with self._lock:
-            self.counts["errors"] += 1
-            self.error_counts[kind] += 1
-            self.node_counts[node][f"errors_{kind}"] += 1
-            if kind in ("moved", "clusterdown", "connection", "refused", "timeout", "slotnotcovered"):
-                self._stale = True  # the slot map is stale (ASK is temporary: it keeps the map)
-        return kind
+        return self._nodes.count(node, exc)
 
-    def _refresh(self) -> None:
-        """Re-read the slot map once known stale (a redirection, failover, dead node); at most every 0.2 s."""
-        now = self.clock()
-        if not self._stale or now - self._refreshed_at < 0.2 or self._client is None:
-            return
-        self._stale, self._refreshed_at = False, now
-        try:
-            self._client.nodes_manager.initialize()
-            self.counts["slot_map_refreshes"] += 1
-        except Exception as exc:
-            self._count("client", exc)
-
-    def _by_node(self, rkeys: list[tuple[str, Any]]) -> dict[str, list[tuple[str, Any]]]:
-        """Group ``(key, item)`` pairs by the node owning their hash slot (local: the client's slot map)."""
-        groups: dict[str, list[tuple[str, Any]]] = defaultdict(list)
-        client = self.client
-        for key, item in rkeys:
-            if client is None:
-                groups["unknown"].append((key, item))
-                continue
-            try:
-                node = client.get_node_from_key(self._vk(key)).name
-            except Exception as exc:  # no node covers the slot (a failover in progress)
-                self._count("unknown", exc)
-                node = "unknown"
-            groups[node].append((key, item))
-        return groups
-
-    def _node_pipeline(self, node: str, build: Callable[[Any], None]) -> list | None:
-        """Run one pipeline on ``node``; its replies (exceptions in place of failed commands), or None when the
-        node is left alone, unknown or failed as a whole (counted)."""
-        if node == "unknown" or self.clock() < self._down.get(node, 0.0):
-            self.counts["node_down_skips"] += 1
-            return None
-        started = time.perf_counter()
-        try:
-            pipe = self.client.get_redis_connection(self.client.get_node(node_name=node)).pipeline(transaction=False)
-            build(pipe)
-            replies = pipe.execute(raise_on_error=False)
-        except Exception as exc:
-            kind = self._count(node, exc)
-            if kind == "refused" or (kind == "timeout" and self._timed_out(node)):
-                self._down[node] = self.clock() + self.retry_after
-            return None
-        finally:
-            self.slowest_call_s = max(self.slowest_call_s, time.perf_counter() - started)
-        self._timeouts[node] = 0
-        self.node_counts[node]["rounds"] += 1
-        return replies
-
-    def _timed_out(self, node: str) -> bool:
-        self._timeouts[node] += 1
-        return self._timeouts[node] >= self.failure_threshold
+    def _guarded(self, fn: Callable[[], Any], fallback: Any) -> Any:
+        return self._nodes.guarded(fn, fallback)
 
     # ------------------------------------------------------------------ reads
     def _verify(self, node: str, key: str, value: object, meta: object) -> bytes | None:
         """A value and its metadata as read: the bytes, or None (absent, another type, too large, disagreeing)."""
+        if value is _FAILED or meta is _FAILED:  # a redirection not followed: counted where it failed
+            return None
         for reply in (value, meta):
             if isinstance(reply, Exception):
                 if self._count(node, reply) == "wrongtype":
@@ -278,51 +210,40 @@ class ClusterTierBackend(TierBackend):
         self._guarded(lambda: self.client.unlink(self._vk(key), self._mk(key)), 0)
 
     def _fetch(self, keys: list[str]) -> dict[str, bytes | None]:
-        """One pipelined round per node; every key maps to its bytes or None."""
-        self._refresh()
+        """One pipelined round per node, then the replies redirected (``MOVED``/``ASK``) followed in one round per
+        node they name (:meth:`ClusterNodes.follow`); every key maps to its bytes or None."""
+        nodes, limit = self._nodes, self.max_item_bytes
+        nodes.refresh()
         out: dict[str, bytes | None] = dict.fromkeys(keys)
-        limit = self.max_item_bytes
-        redirected: list[str] = []
-        for node, group in self._by_node([(k, None) for k in keys]).items():
+        read: dict[str, tuple[str, list]] = {}  # key -> (node, [value reply, metadata reply])
+        redirected: list[tuple[tuple, BaseException]] = []
+        where: list[tuple[str, int]] = []
+        for node, group in nodes.group([(k, None) for k in keys], self._vk).items():
 
             def build(pipe: Any, group: list = group) -> None:
                 for key, _ in group:
                     pipe.getrange(self._vk(key), 0, limit)
                     pipe.getrange(self._mk(key), 0, _META_MAX)
 
-            replies = self._node_pipeline(node, build)
-            self.node_counts[node]["reads"] += len(group)
+            replies = nodes.pipeline(node, build)
+            nodes.node_counts[node]["reads"] += len(group)
             if replies is None:
                 continue
             for i, (key, _) in enumerate(group):
-                value, meta = replies[2 * i], replies[2 * i + 1]
-                if any(_kind(r) in ("moved", "ask") for r in (value, meta) if isinstance(r, Exception)):
-                    self._count(node, value if isinstance(value, Exception) else meta)
-                    redirected.append(key)
-                    continue
-                out[key] = self._verify(node, key, value, meta)
-        for key in redirected:  # the slot moved: once more through the cluster client (it follows MOVED/ASK)
-            out[key] = self._redirected(key)
+                pair = [replies[2 * i], replies[2 * i + 1]]
+                for j, reply in enumerate(pair):
+                    if is_redirect(reply):  # the slot moved or is moving: followed below, with the others
+                        nodes.count(node, reply)
+                        rkey, bound = (self._vk(key), limit) if j == 0 else (self._mk(key), _META_MAX)
+                        redirected.append((("GETRANGE", rkey, 0, bound), reply))
+                        where.append((key, j))
+                read[key] = (node, pair)
+        if redirected:
+            for (key, j), reply in zip(where, nodes.follow(redirected), strict=True):
+                read[key][1][j] = _FAILED if reply is None else reply
+        for key, (node, (value, meta)) in read.items():
+            out[key] = self._verify(node, key, value, meta)
         return out
-
-    def _redirected(self, key: str) -> bytes | None:
-        def read() -> tuple:
-            c = self.client
-            return c.getrange(self._vk(key), 0, self.max_item_bytes), c.getrange(self._mk(key), 0, _META_MAX)
-
-        got = self._guarded(read, None)
-        self.counts["redirect_retries"] += 1
-        return None if got is None else self._verify("redirect", key, *got)
-
-    def _guarded(self, fn: Callable[[], Any], fallback: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return fn() if self.client is not None else fallback
-        except Exception as exc:
-            self._count("client", exc)
-            return fallback
-        finally:
-            self.slowest_call_s = max(self.slowest_call_s, time.perf_counter() - started)
 
     def read_ahead(self, keys: Iterable[str]) -> int:
         """Fetch ``keys`` (one round per node) and keep them ``readahead_s`` s for the per-block reads that
@@ -379,16 +300,17 @@ class ClusterTierBackend(TierBackend):
         if todo and not self._within_budget(sum(len(v) for _, v in todo)):
             self.counts["budget_refused"] += len(todo)
             todo = []
-        self._refresh()
+        nodes = self._nodes
+        nodes.refresh()
         new_bytes, px = 0, self._px or 0
-        for node, group in self._by_node(todo).items():
+        for node, group in nodes.group(todo, self._vk).items():
 
             def build(pipe: Any, group: list = group) -> None:
                 for key, data in group:
                     pipe.eval(PUT_SCRIPT, 2, self._vk(key), self._mk(key), data, f"{len(data)}:{_digest(data)}", px)
 
-            replies = self._node_pipeline(node, build)
-            self.node_counts[node]["writes"] += len(group)
+            replies = nodes.pipeline(node, build)
+            nodes.node_counts[node]["writes"] += len(group)
             for (key, data), reply in zip(group, replies or [], strict=False):
                 self.counts["put_conflicts"] += reply == PUT_REFUSED  # other bytes under this key: nothing written
                 if isinstance(reply, Exception):
@@ -469,29 +391,11 @@ class ClusterTierBackend(TierBackend):
     @property
     def degraded(self) -> bool:
         """True while no client could be built or a node is being left alone."""
-        now = self.clock()
-        return self._client is None or any(t > now for t in self._down.values())
+        return self._nodes.degraded
 
     def close(self) -> None:
         """Close the client's connections."""
-        if self._client is not None:
-            self._client, client = None, self._client
-            self._guarded(client.close, None)
-
-
-def _kind(exc: BaseException) -> str:
-    """A Redis error's kind: the reply's code (``moved``, ``oom``, ``wrongtype``, …) or the connection failure."""
-    seen, cur = 0, exc
-    while cur is not None and seen < 8:
-        if isinstance(cur, ConnectionRefusedError):
-            return "refused"
-        cur, seen = cur.__cause__ or cur.__context__, seen + 1
-    names = {c.__name__ for c in type(exc).__mro__}
-    if "TimeoutError" in names:
-        return "timeout"
-    if "ConnectionError" in names and "ResponseError" not in names:
-        return "connection"
-    return error_kind(exc)
+        self._nodes.close()
 
 
 def _listed(keys: Iterable[str]) -> list[str]:
