@@ -5,8 +5,9 @@ Told in the Triton tutorials' order — reference (plain torch) → kernel → w
 :func:`prefill_kernel` is tiled: one program per (sequence, KV head, query tile) holds ``QB`` query positions ×
 the whole GQA group as the rows of one ``tl.dot`` operand, and streams the sequence's K/V once per tile in token
 tiles gathered through the block table (the decode kernel's :func:`~memos_kernels.paged_decode.tile_slots`),
-stopping at the tile's last causal position; online softmax in base 2. One launch for every sequence's chunk, no
-per-row loop. Quantized caches (``quant=``) still run as decode rows through
+stopping at the tile's last causal position; online softmax in base 2. The whole tiles every row sees run
+mask-free (:func:`full_tile`); only the diagonal and the last partial tile are masked. One launch for every
+sequence's chunk, no per-row loop. Quantized caches (``quant=``) still run as decode rows through
 :mod:`memos_kernels.paged_decode`'s kernels (every (sequence, query position) a row whose length stops there).
 """
 
@@ -42,6 +43,7 @@ __all__ = [
     "KERNELS",
     "benchmark_paged_prefill",
     "check_paged_prefill",
+    "full_tile",
     "paged_prefill_attention",
     "paged_prefill_reference",
     "prefill_config",
@@ -85,6 +87,41 @@ def paged_prefill_reference(
 
 
 # ---------------------------------------------------------------------------------------------- kernel
+@triton.jit
+def full_tile(q, kc_ptr, vc_ptr, tables_ptr, b, h, s_tb, s_tc, s_cb, s_ch, s_ct, tok0, num_blocks, m_i, l_i, acc,
+              qk_scale, T, D: tl.constexpr, TILE: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """Fold a whole token tile that every row of the program sees (``tok0 + TILE`` at or before its first
+    position, inside the length and the table) into ``m_i``, ``l_i``, ``acc``: no causal or length mask, loads
+    unmasked. Bounds: a block id outside ``[0, num_blocks)`` (unvalidated metadata) is read as block 0, inside
+    the pool, and its tokens are then masked out — the only mask, taken only by a tile holding one."""
+    tok = tok0 + tl.arange(0, TILE)
+    block = tl.load(tables_ptr + b * s_tb + (tok // T) * s_tc).to(tl.int64)
+    ok = (block >= 0) & (block < num_blocks)
+    bad = tl.sum((~ok).to(tl.int32), axis=0) > 0
+    block = tl.where(ok, block, 0)
+    d = tl.arange(0, D)
+    ptrs = (block * s_cb + h * s_ch + (tok % T) * s_ct)[:, None] + d[None, :]
+    k = tl.load(kc_ptr + ptrs)
+    v = tl.load(vc_ptr + ptrs)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    else:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    if bad:
+        scores = tl.where(ok[None, :], scores, NEG)
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    p = tl.exp2(scores - m_new[:, None])
+    if bad:
+        p = tl.where(ok[None, :], p, 0.0)
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
 def prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, tables_ptr, lens_ptr, qlens_ptr, out_ptr,
@@ -99,6 +136,8 @@ def prefill_kernel(
     """Program (sequence b, KV head h, query tile qt): rows ``r = j · GP + g`` are query ``qt · QB + j`` of head
     ``h · G + g``; query j of a chunk of ``qlen`` sits at position ``n - qlen + j`` and sees tokens up to it. The
     token loop stops after the tile's last query position (causal), every tile of K/V serves all ``QB · G`` rows.
+    Two loops, as in FlashAttention: whole tiles that every row sees, without masks (:func:`full_tile`), then the
+    diagonal and the partial last tile, masked; a query tile past the chunk reads nothing.
     Bounds: query rows past ``num_q`` (the query tensor's Q) are neither read nor written; table columns past
     ``width`` and block ids outside ``[0, num_blocks)`` are masked (:func:`tile_slots`)."""
     b = tl.program_id(0)
@@ -121,7 +160,15 @@ def prefill_kernel(
     acc = tl.zeros((QB * GP, D), tl.float32)
     end = tl.minimum(seq_len, seq_len - qlen + qt * QB + QB)  # past the tile's last query: nothing to see
     end = tl.minimum(end, width * T)  # past the table's capacity: nothing to read
-    for tok0 in range(0, end, TILE):
+    end = tl.where(qt * QB < tl.minimum(qlen, num_q), end, 0)  # a tile without queries reads nothing
+    # Main loop, mask-free: whole tiles at or before the program's first position, which every row sees (rows
+    # past qlen or G sit later, or are never stored), inside the length and the table, so no causal mask.
+    full = tl.maximum(tl.minimum(seq_len - qlen + qt * QB + 1, end), 0) // TILE * TILE
+    for tok0 in range(0, full, TILE):
+        m_i, l_i, acc = full_tile(q, kc_ptr, vc_ptr, tables_ptr, b, h, s_tb, s_tc, s_cb, s_ch, s_ct, tok0,
+                                  num_blocks, m_i, l_i, acc, qk_scale, T, D, TILE, DOT_F32, PREC)  # fmt: skip
+    # The tail: the diagonal tile(s) and the last partial one, masked (causal, length, table width).
+    for tok0 in range(full, end, TILE):
         ok, block, off = tile_slots(tables_ptr, b, s_tb, s_tc, tok0, end, width, num_blocks, T, TILE)
         ptrs = (block * s_cb + h * s_ch + off * s_ct)[:, None] + d[None, :]
         k = tl.load(kc_ptr + ptrs, mask=ok[:, None], other=0)
