@@ -300,3 +300,59 @@ def test_entry_inspection_negative_ttl_and_update_ttl():
         assert shard.lookup("m", "gone") == "gone", name
         store.update("u", lambda v: 1, ttl=7)
         assert shard.remaining_ttl("u") == pytest.approx(7), name
+
+
+# ------------------------------------------------------- second full mutmut run of store.py (2026-12-02, issue 30)
+
+
+def test_expired_entries_go_before_a_live_entry_is_evicted_for_room():
+    """At max_entries, a new key first drops the entries that have expired; a live entry is evicted only if that
+    was not enough. Here the older live key survives because an expired one made the room."""
+    for name, store, shard, clock in _stores("lru", max_entries=2):
+        store.set("live", 1)
+        store.set("short", 2, ttl=1)
+        clock.t += 2
+        store.set("new", 3)
+        assert store.get("live") == 1 and store.get("new") == 3, name
+        assert shard.stats["expirations"] == 1 and "evictions_entries" not in shard.stats, name
+
+
+def test_a_store_exactly_at_its_byte_budget_keeps_every_entry():
+    """Byte eviction stops as soon as the total is within max_bytes: equal to the budget is within it. (Three
+    entries of 9 bytes, max_entries 2, max_bytes 18: the third evicts one entry for the count, and no more.)"""
+    for name, store, shard, clock in _stores("lru", max_entries=2, max_bytes=18):
+        for key in ("k0", "k1", "k2"):
+            store.set(key, "x" * 5)  # 2 + 7 = 9 bytes
+            clock.t += 1
+        assert store.get("k1") == "x" * 5 and store.get("k2") == "x" * 5, name
+        assert shard.bytes == 18 and shard.stats.get("evictions_bytes", 0) == 0, name
+
+
+def test_byte_eviction_goes_down_to_one_entry_when_the_budget_needs_it():
+    """Two entries that together exceed max_bytes do not both stay: the older one is evicted."""
+    for name, store, shard, clock in _stores("lru", max_bytes=10, max_entries=100):
+        store.set("a", "x" * 5)  # 1 + 7 = 8 bytes
+        clock.t += 1
+        store.set("b", "y" * 5)
+        assert len(shard) == 1 and store.get("b") == "y" * 5 and shard.bytes == 8, name
+        assert shard.stats["evictions_bytes"] == 1, name
+
+
+@pytest.mark.parametrize("value", [object(), float("nan"), {1j: 2}], ids=["object", "nan", "complex-key"])
+def test_a_value_json_cannot_encode_is_refused_on_both_write_paths_and_changes_nothing(value):
+    """TTLStore.set and a one-shard ShardedStore's set (which encodes outside the shard's lock) refuse a value that
+    is not JSON with ConfigError naming the key, and store nothing."""
+    for name, store, shard, _clock in _stores("lru"):
+        with pytest.raises(ConfigError, match=r"value for 'k' is not JSON-serialisable"):
+            store.set("k", value)
+        assert len(shard) == 0 and shard.bytes == 0 and "k" not in shard and shard.stats == {}, name
+
+
+def test_an_entry_s_size_is_its_key_plus_payload_unless_given():
+    """KVEntry computes size_bytes as len(key) + len(payload) when it is not given, and keeps a given size,
+    0 included, as it is."""
+    from memos_ref.memory import KVEntry
+
+    assert KVEntry("key", '"v"', None, 0, 0.0, 0.0, 1).size_bytes == 6
+    assert KVEntry("key", '"v"', None, 0, 0.0, 0.0, 1, 10).size_bytes == 10
+    assert KVEntry("key", '"v"', None, 0, 0.0, 0.0, 1, 0).size_bytes == 0
