@@ -89,3 +89,19 @@ def test_planted_values_and_a_full_node_while_requests_run(redis_cluster):
     assert store["corrupt"] == 1 and backend.error_counts["wrongtype"] == 1
     assert backend.error_counts["oom"] >= 1 and reader.tier_counts["publish_dropped"] >= 1  # the full node's writes
     assert backend.slowest_call_s < 0.5 * 10  # bounded by the timeout (generous slack for a loaded machine)
+
+
+def test_second_process_reloads_the_first_ones_prefix_on_smollm2(redis_cluster, smollm2_path):
+    """The same on SmolLM2-135M (the package's forward on its weights, in both processes): B reloads exactly the
+    full blocks its prompt shares with A's, and its tokens equal a single-process run's."""
+    from memos_ref.bench.cluster import SYSTEM_LINE, _prompt
+    from memos_ref.model.tokenizer import ByteTokenizer
+
+    r = cross_process(redis_cluster.url, "test-xp-smol", new=2, repeat=2, model_path=str(smollm2_path))
+    tok = ByteTokenizer()
+    a, b = _prompt(" User A: plan a trip.", tok, 2), _prompt(" User B: summarise a paper.", tok, 2)
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # the common prefix, token by token
+    assert shared > len(SYSTEM_LINE) * 2
+    assert r["distinct_pids"] and r["a"]["tiered"]["reused"] == 0
+    assert r["cross_process_reused_tokens"] == 16 * (shared // 16)  # every full block of the shared prefix
+    assert r["prefill_tokens_saved"] == r["cross_process_reused_tokens"] and r["tokens_identical"]

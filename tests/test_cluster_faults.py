@@ -17,37 +17,54 @@ def fault_cluster():
         yield cluster
 
 
+# How long a bounded wait may take. One round trip to a node (one pipeline) waits at most the socket timeout; when
+# the timeout fires, the thread waits for a core before it runs again, and on this shared 2-core machine the
+# wake-up took 10-24 ms at load 23 (bench cluster: a 310 ms round trip against a 300 ms timeout). WAKE_MARGIN_S
+# states half a second for it: 20x the worst wake-up seen, and still an order of magnitude below the 5 s pause that
+# a wait which is not bounded by the timeout would last.
+WAKE_MARGIN_S = 0.5
+
+
+def round_trip_bound(timeout: float) -> float:
+    """The longest one round trip to a hung node may take: the socket timeout, plus the wake-up margin."""
+    return timeout + WAKE_MARGIN_S
+
+
 def _owner_ports(b: ClusterTierBackend, keys: list[str]) -> dict[str, int]:
     return {k: int(b.client.get_node_from_key(b.prefix + f"{{{k}}}:v").port) for k in keys}
 
 
 def test_a_hung_master_costs_one_timeout_then_is_left_alone(fault_cluster):
-    b = ClusterTierBackend(
-        fault_cluster.url, fingerprint="faults", tenant="hung", timeout=0.2, retry_after=5.0, failure_threshold=1
-    )
+    """A SIGSTOPped master: the read that meets it waits one socket timeout on it (counted on that node, its keys
+    misses, the others served), then the node is left alone: no second wait, no network to it, writes dropped.
+    The timeout is the default (0.5 s): a healthy node answers well within it on a loaded machine."""
+    import time
+
+    b = ClusterTierBackend(fault_cluster.url, fingerprint="faults", tenant="hung", retry_after=5.0, failure_threshold=1)
     keys = {f"h{i}": bytes([i]) * 500 for i in range(24)}
     assert all(b.put_many(keys).values())
     owners = _owner_ports(b, list(keys))
     hung = owners["h0"]  # the node this client reads h0 from (so a failover under load cannot make it a bystander)
+    hung_name = f"127.0.0.1:{hung}"
     fault_cluster.pause(hung)
     try:
+        started = time.perf_counter()
         got = b.get_many(keys)  # the hung node's keys are misses after one timeout; the others are served
+        first_call_s = time.perf_counter() - started
         expected = {k: v for k, v in keys.items() if owners[k] != hung}
         assert got == expected and b.error_counts["timeout"] == 1
+        assert b.node_counts[hung_name]["errors_timeout"] == 1  # the hung node's, no other's
         got = b.get_many(keys)  # left alone for retry_after: no second timeout, no network to it
         assert got == expected and b.error_counts["timeout"] == 1 and b.counts["node_down_skips"] == 1
         stored = b.put_many({"late": b"x"})
         assert stored["late"] == (_owner_ports(b, ["late"])["late"] != hung)
     finally:
         fault_cluster.resume(hung)
-    assert b.slowest_call_s < 0.2 * 10  # bounded by the timeout (with scheduling slack on a loaded machine)
+    # the one wait was bounded by the configured timeout: the round trip, and the whole call around it
+    assert b.slowest_round_trip_s <= round_trip_bound(b.timeout)
+    assert first_call_s <= round_trip_bound(b.timeout)
     fault_cluster.wait_healthy(30)
     b.close()
-
-
-# A tier call waits on one hung node at most twice (failure_threshold=2 timeouts, then the node is left alone),
-# plus scheduling slack on a loaded 2-core machine; far below a pause (5 s), which an unbounded call would wait out.
-SLACK_S = 2.0
 
 
 def _no_request_lost_or_wrong(report: dict) -> None:
@@ -72,9 +89,8 @@ def test_a_slot_range_migrated_while_requests_run(fault_cluster):
     # another agent's writes into the migrating slots (ASK on a write script) are dropped and counted, not raised
     assert r["probe_writes"] > 0 and r["probe_dropped"] >= 1 and r["dropped_writes"] >= r["probe_dropped"]
     assert r["after_reused_tokens"] == 16 * r["full_blocks"]  # every block is served again from its new owner
-    # no network wait past the timeout; a public call that meets MOVED makes one round trip per redirected key
-    # (r["slowest_call_s"], reported), so its bound is per round trip
-    assert r["slowest_round_trip_s"] <= r["timeout_s"] + SLACK_S
+    # no network wait past the timeout (no node hangs here: the bound is generous, the same as for a hung one)
+    assert r["slowest_round_trip_s"] <= round_trip_bound(r["timeout_s"])
     assert fault_cluster.healthy()
 
 
@@ -87,7 +103,11 @@ def test_a_master_stopped_then_continued_while_requests_run(fault_cluster):
     fault_cluster.wait_healthy(30)
     r = hung_node(fault_cluster, "faults-stop", requests=3, new=3, timeout=0.3, pause_s=5.0)
     _no_request_lost_or_wrong(r)
-    assert r["slowest_call_s"] <= 2 * r["timeout_s"] + SLACK_S < r["pause_s"]  # no call waited for the SIGCONT
+    # every round trip waited at most the timeout; no call waited for the SIGCONT: a call meets the stopped node
+    # in at most failure_threshold (2) round trips before it is left alone, and a command through the cluster
+    # client is tried at most twice (redis-py's Retry(NoBackoff(), 1))
+    assert r["slowest_round_trip_s"] <= round_trip_bound(r["timeout_s"])
+    assert r["slowest_call_s"] <= 2 * round_trip_bound(r["timeout_s"]) < r["pause_s"]
     assert r["errors_by_kind"].get("timeout", 0) >= 1  # the stopped node was met, and timed out
     assert r["misses"] >= 1  # its blocks were read as misses (that prompt recomputed them)
     paused, resumed = r["rounds"][1], r["rounds"][2]

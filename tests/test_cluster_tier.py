@@ -309,6 +309,8 @@ def test_redirected_reads_are_batched_per_node(redis_cluster, monkeypatch):
     # one round per node, plus one for every redirected value together on the node they were redirected to
     assert ask == Counter({src_port: 1, dst_port: 2, **others}), ask
     assert b.error_counts["ask"] == len(moving) and b.counts["redirect_retries"] == len(moving)
+    # a write of a half-migrated block (its value moved, its metadata not) spans both nodes: TRYAGAIN, dropped
+    assert b.put(moving[0], items[moving[0]]) is False and b.error_counts["tryagain"] == 1
     for k in moving:  # the migration ends: the metadata moves, every master learns the new owner
         src.execute_command("MIGRATE", "127.0.0.1", dst_port, "", 0, 5000, "KEYS", b.prefix + f"{{{k}}}:m")
     for port in redis_cluster.master_ports():
@@ -322,6 +324,11 @@ def test_redirected_reads_are_batched_per_node(redis_cluster, monkeypatch):
     assert b.get_many(items) == items  # the slot map re-read (MOVED showed it stale): no redirection any more
     assert b.error_counts["moved"] == 2 * len(moving) and b.counts["redirect_retries"] == 3 * len(moving)
     assert b.counts["slot_map_refreshes"] == 1
+    text = ClusterMetrics(b).exposition()  # the redirections, per node and kind, through the exporter
+    assert f"memos_cluster_redirect_retries_total {3 * len(moving)}.0" in text
+    assert f'memos_cluster_errors_total{{kind="ask",node="127.0.0.1:{src_port}"}} {len(moving)}.0' in text
+    assert f'memos_cluster_errors_total{{kind="moved",node="127.0.0.1:{src_port}"}} {2 * len(moving)}.0' in text
+    assert "memos_cluster_slot_map_refreshes_total 1.0" in text
     b.clear()
 
 
@@ -372,3 +379,63 @@ def test_a_redirection_that_never_settles_is_a_bounded_counted_miss():
     assert counts["redirect_exhausted"] == 5 and counts["redirect_unknown_node"] == 1
     assert counts["redirect_retries"] == 5 * MAX_REDIRECT_ROUNDS
     assert nodes.error_counts["ask"] == 5 * MAX_REDIRECT_ROUNDS  # every redirect re-answered, counted
+
+
+def test_acl_user_and_password_pass_through_to_every_node(redis_cluster):
+    """AUTH/ACL reach redis-py: a user allowed only its tenant's keys stores and reads them on every master; a wrong
+    password is a counted miss and a dropped write; the same user on another tenant's keys is refused by the
+    servers (NOPERM): dropped and counted by kind — never an exception, never another tenant's bytes."""
+    ports = [n.port for n in redis_cluster.nodes]  # ACLs are per node: masters and replicas alike
+    for port in ports:
+        node(redis_cluster, port).execute_command(
+            "ACL", "SETUSER", "tier", "on", ">s3cret", f"~memos-kv:{FP}:acl:*", "+@all"
+        )
+    try:
+        good = backend(redis_cluster, "acl", username="tier", password="s3cret")
+        items = {f"a{i}": bytes([i]) * 64 for i in range(9)}
+        assert all(good.put_many(items).values()) and good.get_many(items) == items
+        assert {k: good.client_options[k] for k in ("username", "password")} == {
+            "username": "tier",
+            "password": "s3cret",
+        }
+        assert len({n for n, c in good.node_counts.items() if c["rounds"]}) == 3  # every master, as this user
+        wrong = backend(redis_cluster, "acl", username="tier", password="nope")
+        assert wrong.get("a1") is None and wrong.put("a9", b"z") is False and wrong.get_many(items) == {}
+        assert wrong.counts["errors"] >= 1 and wrong.counts["dropped_puts"] == 1 and wrong.degraded
+        other = backend(redis_cluster, "acl-other", username="tier", password="s3cret")
+        assert other.put_many({"b1": b"w", "b2": b"v"}) == {"b1": False, "b2": False}
+        assert other.get("b1") is None and other.error_counts["noperm"] >= 3  # two writes and a read refused
+        good.clear()
+        assert good.keys() == []
+    finally:
+        for port in ports:
+            node(redis_cluster, port).execute_command("ACL", "DELUSER", "tier")
+
+
+def test_tls_options_pass_through_and_a_failed_handshake_is_a_miss(redis_cluster, monkeypatch):
+    """rediss:// and the ssl_* options reach RedisCluster as given; TLS spoken to a node that does not speak it is
+    a counted miss and a dropped write, not an exception."""
+    import redis.cluster
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, **kwargs):
+            seen.append(kwargs)
+            raise redis.exceptions.ConnectionError("recorded")
+
+    tls = {"ssl_ca_certs": "/ca.pem", "ssl_certfile": "/c.pem", "ssl_keyfile": "/k.pem"}
+    with monkeypatch.context() as m:
+        m.setattr(redis.cluster, "RedisCluster", Recorder)
+        b = ClusterTierBackend("rediss://127.0.0.1:7000", fingerprint=FP, timeout=0.25, **tls)
+        assert b.get("k") is None and b.put("k", b"v") is False
+        plain = ClusterTierBackend(
+            "redis://127.0.0.1:7000", fingerprint=FP, client_kwargs={"ssl_check_hostname": False}
+        )
+        assert plain.get("k") is None
+    assert seen[0]["ssl"] is True and {k: seen[0][k] for k in tls} == tls and seen[0]["socket_timeout"] == 0.25
+    assert "ssl" not in seen[-1] and seen[-1]["ssl_check_hostname"] is False
+    port = redis_cluster.nodes[0].port
+    b = ClusterTierBackend(f"rediss://127.0.0.1:{port}", fingerprint=FP, timeout=0.5)  # a plain-text node
+    assert b.get("k") is None and b.put("k", b"v") is False and b.get_many(["k"]) == {}
+    assert b.counts["errors"] >= 1 and b.degraded

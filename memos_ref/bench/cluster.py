@@ -40,7 +40,15 @@ def _prompt(tail: str, tok: Any, repeat: int = 6) -> list[int]:
 _MODEL: dict[str, Any] = {}  # the shipped model, loaded once per process
 
 
-def _stack(url: str, namespace: str, *, tier: bool = True, num_blocks: int = 256, timeout: float = 0.5) -> tuple:
+def _stack(
+    url: str,
+    namespace: str,
+    *,
+    tier: bool = True,
+    num_blocks: int = 256,
+    timeout: float = 0.5,
+    model_path: str | None = None,
+) -> tuple:
     from memos_ref.engine import Engine
     from memos_ref.model import load_model, model_fingerprint
     from memos_ref.paged import PagedKV
@@ -48,7 +56,8 @@ def _stack(url: str, namespace: str, *, tier: bool = True, num_blocks: int = 256
     from memos_ref.tiering.manager import TierManager
     from memos_ref.tiering.store import Tier, TierStore
 
-    model = _MODEL.get("shipped") or _MODEL.setdefault("shipped", load_model())
+    name = model_path or "shipped"
+    model = _MODEL.get(name) or _MODEL.setdefault(name, load_model(model_path))
     spec, fp = model.kv_spec(block_size=16), model_fingerprint(model)
     kv = PagedKV(spec, num_blocks, fingerprint=fp)
     backend = None
@@ -69,7 +78,9 @@ def _serve(engine: Any, prompt: list[int], new: int) -> dict[str, Any]:
     return {"output": req.output, "reused": s.reused_tokens, "computed": s.computed_tokens, "ttft_s": s.ttft_s}
 
 
-def serve_role(role: str, url: str, namespace: str, tail: str, new: int, repeat: int = 6) -> dict[str, Any]:
+def serve_role(
+    role: str, url: str, namespace: str, tail: str, new: int, repeat: int = 6, model_path: str | None = None
+) -> dict[str, Any]:
     """One process's part (run in a fresh interpreter by :class:`ServeProcess`):
 
     * ``serve``: warm up, serve ``SYSTEM + tail`` through the cluster tier (publishing what it prefills), then the
@@ -77,7 +88,9 @@ def serve_role(role: str, url: str, namespace: str, tail: str, new: int, repeat:
     * ``prefill``: prefill ``SYSTEM + tail`` (one token), publish its blocks and manifest.
     * ``decode``: read the manifest, adopt the blocks, decode ``new`` tokens; then the single-process reference.
 
-    The system prompt is ``SYSTEM_LINE * repeat`` (6: ~580 tokens; the notebook uses 3).
+    The system prompt is ``SYSTEM_LINE * repeat`` (6: ~580 tokens; the notebook uses 3). ``model_path``: a model
+    folder the package's forward loads (SmolLM2's, say; the byte tokenizer's ids are valid ids of its vocabulary),
+    or None for the shipped model.
     """
     from memos_ref.model.tokenizer import ByteTokenizer
     from memos_ref.tiering.cluster_manifest import (
@@ -90,7 +103,7 @@ def serve_role(role: str, url: str, namespace: str, tail: str, new: int, repeat:
 
     tok = ByteTokenizer()
     prompt = _prompt(tail, tok, repeat)
-    _, kv, backend, engine, spec, fp = _stack(url, namespace)
+    _, kv, backend, engine, spec, fp = _stack(url, namespace, model_path=model_path)
     check_disaggregable(kv)
     _serve(engine, [tok.bos_id, *tok.encode("warm up " * 20)], 1)  # warm the forward (not published: no tail)
     out: dict[str, Any] = {"pid": os.getpid(), "prompt_tokens": len(prompt)}
@@ -118,7 +131,7 @@ def serve_role(role: str, url: str, namespace: str, tail: str, new: int, repeat:
     shared = _serve(engine, prompt, new)
     out |= {"tiered": shared, "tier_counts": dict(engine.tier_counts)}
     out["bytes_moved"] = engine.kv.tier_manager.store.stats()["cluster"].get("swap_in_bytes", 0)
-    _, _, _, alone, _, _ = _stack(url, namespace, tier=False)
+    _, _, _, alone, _, _ = _stack(url, namespace, tier=False, model_path=model_path)
     _serve(alone, [tok.bos_id, *tok.encode("warm up " * 20)], 1)
     out["recompute"] = _serve(alone, prompt, new)
     return out
@@ -160,9 +173,18 @@ class ServeProcess:
     def pid(self) -> int:
         return self.process.pid
 
-    def serve(self, role: str, url: str, namespace: str, tail: str, new: int, repeat: int = 6) -> dict[str, Any]:
-        """Run ``serve_role(role, url, namespace, tail, new, repeat)`` in the process; its result."""
-        args = json.dumps([role, url, namespace, tail, new, repeat])
+    def serve(
+        self,
+        role: str,
+        url: str,
+        namespace: str,
+        tail: str,
+        new: int,
+        repeat: int = 6,
+        model_path: str | None = None,
+    ) -> dict[str, Any]:
+        """Run ``serve_role(role, url, namespace, tail, new, repeat, model_path)`` in the process; its result."""
+        args = json.dumps([role, url, namespace, tail, new, repeat, model_path])
         try:
             out, err = self.process.communicate(args + "\n", self.timeout)
         except subprocess.TimeoutExpired:
@@ -179,9 +201,11 @@ class ServeProcess:
             self.process.communicate()
 
 
-def _spawn(role: str, url: str, namespace: str, tail: str, new: int, timeout: float = 300) -> dict[str, Any]:
+def _spawn(
+    role: str, url: str, namespace: str, tail: str, new: int, repeat: int = 6, timeout: float = 300
+) -> dict[str, Any]:
     """Run :func:`serve_role` in a separate OS process; its JSON result."""
-    return ServeProcess(timeout).serve(role, url, namespace, tail, new)
+    return ServeProcess(timeout).serve(role, url, namespace, tail, new, repeat)
 
 
 def cross_process(
@@ -192,17 +216,19 @@ def cross_process(
     a_here: bool = False,
     b_process: ServeProcess | None = None,
     repeat: int = 6,
+    model_path: str | None = None,
 ) -> dict[str, Any]:
     """A then B, two OS processes sharing the cluster tier (see the module docstring). ``a_here``: A is this
     process (one interpreter fewer, as the notebook does); ``b_process``: B's process, started earlier (else now);
-    ``repeat``: the system prompt's length in :data:`SYSTEM_LINE` s."""
+    ``repeat``: the system prompt's length in :data:`SYSTEM_LINE` s; ``model_path``: another model's folder
+    (SmolLM2's), else the shipped model."""
     tail_a, b_process = " User A: plan a trip.", b_process or ServeProcess()  # B loads while A serves
     try:
         if a_here:
-            a = serve_role("serve", url, namespace, tail_a, new, repeat)
+            a = serve_role("serve", url, namespace, tail_a, new, repeat, model_path)
         else:
-            a = ServeProcess().serve("serve", url, namespace, tail_a, new, repeat)
-        b = b_process.serve("serve", url, namespace, " User B: summarise a paper.", new, repeat)
+            a = ServeProcess().serve("serve", url, namespace, tail_a, new, repeat, model_path)
+        b = b_process.serve("serve", url, namespace, " User B: summarise a paper.", new, repeat, model_path)
     finally:
         b_process.close()
     return {
@@ -218,13 +244,20 @@ def cross_process(
     }
 
 
-def disaggregated(url: str, namespace: str, new: int = 8) -> dict[str, Any]:
+def disaggregated(
+    url: str, namespace: str, new: int = 8, *, repeat: int = 6, prefill_here: bool = False
+) -> dict[str, Any]:
     """A prefill process and a decode process (see the module docstring); the decode process starts with the
-    prefill one (its imports and model load overlap), and gets its prompt once the prefill one has published."""
+    prefill one (its imports and model load overlap), and gets its prompt once the prefill one has published.
+    ``repeat``: the system prompt's length in :data:`SYSTEM_LINE` s; ``prefill_here``: the prefill process is this
+    one (one interpreter fewer)."""
     decode = ServeProcess()  # loads while the prefill process runs; decodes after it has published
     try:
-        p = _spawn("prefill", url, namespace, " User C: write a haiku.", 1)
-        d = decode.serve("decode", url, namespace, " User C: write a haiku.", new)
+        if prefill_here:
+            p = serve_role("prefill", url, namespace, " User C: write a haiku.", 1, repeat)
+        else:
+            p = _spawn("prefill", url, namespace, " User C: write a haiku.", 1, repeat)
+        d = decode.serve("decode", url, namespace, " User C: write a haiku.", new, repeat)
     finally:
         decode.close()
     return {
@@ -367,18 +400,25 @@ def hung_node(
 
 
 def run(quick: bool = False, progress: bool = False) -> dict[str, Any]:
+    """Every part on a private cluster (and a 1-master one for the throughput baseline). ``quick``: the same parts
+    and fields at smaller sizes — a 3-line (~290-token) system prompt, 2 new tokens, 2 requests per fault round, a
+    2 s SIGSTOP, 3 throughput rounds of 16 blocks, process A and the prefill process in this one — so the whole
+    run takes seconds, not minutes."""
     from memos_ref.tiering.cluster_server import ClusterServer
 
-    new = 4 if quick else 16
+    new, repeat, requests = (2, 3, 2) if quick else (16, 6, 6)
+    pause_s, rounds, blocks = (2.0, 3, 16) if quick else (5.0, 7, 128)
     with ClusterServer() as cluster:
-        cp = cross_process(cluster.url, "bench-xp", new)
-        dis = disaggregated(cluster.url, "bench-pd", new)
+        # --quick: A and the prefill process are this one (it loads the model for the faults anyway); B and the
+        # decode process are separate OS processes either way
+        cp = cross_process(cluster.url, "bench-xp", new, repeat=repeat, a_here=quick)
+        dis = disaggregated(cluster.url, "bench-pd", new, repeat=repeat, prefill_here=quick)
         with ClusterServer(1, 0) as single:
-            tput = throughput({1: single.url, 3: cluster.url}, 3 if quick else 7, 32 if quick else 128)
-        mig = migration(cluster, "bench-mig", 3 if quick else 6, new, timeout=0.5)
-        stop = hung_node(cluster, "bench-stop", 3 if quick else 6, new, timeout=0.3)
+            tput = throughput({1: single.url, 3: cluster.url}, rounds, blocks)
+        mig = migration(cluster, "bench-mig", requests, new, timeout=0.5)
+        stop = hung_node(cluster, "bench-stop", requests, new, timeout=0.3, pause_s=pause_s)
         cluster.wait_healthy(60)
-        fo = failover(cluster, "bench-fo", 4 if quick else 8, new)
+        fo = failover(cluster, "bench-fo", requests if quick else 8, new)
     summary = {
         "cross_process_reused_tokens": cp["cross_process_reused_tokens"],
         "prefill_tokens_saved": cp["prefill_tokens_saved"],
@@ -411,7 +451,9 @@ def run(quick: bool = False, progress: bool = False) -> dict[str, Any]:
         {"part": "sigstop", **stop},
         {"part": "failover", **fo},
     ]
-    config = {"quick": quick, "masters": 3, "replicas": 1, "node_timeout_ms": 1000, "block_size": 16}
+    config = {"quick": quick, "masters": 3, "replicas": 1, "node_timeout_ms": 1000, "block_size": 16, "new_tokens": new}
+    config |= {"system_prompt_lines": repeat, "fault_requests": requests, "sigstop_s": pause_s}
+    config |= {"a_and_prefill_in_bench_process": quick}
     from memos_ref.bench.common import envelope
 
     return envelope("cluster", config, results, summary)

@@ -164,8 +164,9 @@ class FaultRun:
             "node_down_skips": counts.get("node_down_skips", 0),
             "errors_by_kind": dict(errors),
             "tier_calls": self.timed.calls,
-            "slowest_call_s": self.timed.slowest_s,  # one public call (MOVED: a round trip per redirected key)
-            "slowest_round_trip_s": b.slowest_call_s,  # one network call (a pipeline, a command), the backend's
+            "slowest_call_s": self.timed.slowest_s,  # one public call, timed from outside
+            "slowest_network_call_s": b.slowest_call_s,  # one pipeline or cluster-client command, the backend's
+            "slowest_round_trip_s": b.slowest_round_trip_s,  # one pipeline to one node: at most one timeout of waiting
             "timeout_s": self.timeout,
             "rounds": self.rounds,
             **extra,

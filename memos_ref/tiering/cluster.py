@@ -168,8 +168,15 @@ class ClusterTierBackend(TierBackend):
 
     @property
     def slowest_call_s(self) -> float:
-        """The slowest single network call so far (one pipeline or one command), seconds."""
+        """The slowest single network call so far (one pipeline, or one command through the cluster client, which
+        redis-py may retry once), seconds."""
         return self._nodes.slowest_call_s
+
+    @property
+    def slowest_round_trip_s(self) -> float:
+        """The slowest pipeline to one node so far: one round trip, so at most one socket ``timeout`` of waiting
+        (plus the time a loaded machine takes to run the thread again once the timeout fired), seconds."""
+        return self._nodes.slowest_round_trip_s
 
     def _count(self, node: str, exc: BaseException) -> str:
         return self._nodes.count(node, exc)

@@ -1,9 +1,11 @@
 """Prometheus metrics of the cluster tier, read from :class:`~memos_ref.tiering.cluster.ClusterTierBackend` at
 scrape time through the package's one exporter mechanism (:mod:`memos_ref.promutil`).
 
-Counters: hits, misses, puts, dropped writes, damaged copies, budget refusals, redirection retries; rounds,
-reads and writes per node; errors per node and per kind (``moved``, ``ask``, ``clusterdown``, ``tryagain``,
-``refused``, ``timeout``, ``oom``, ``wrongtype``, …). Gauges: degraded, the slowest call in seconds.
+Counters: hits, misses, puts, dropped writes, damaged copies, budget refusals and untrusted counters, write
+conflicts, redirections followed, exhausted or to an unknown node, rounds skipped on nodes left alone, slot-map
+re-reads; rounds, reads and writes per node; errors per node and per kind (``moved``, ``ask``, ``clusterdown``,
+``tryagain``, ``refused``, ``timeout``, ``oom``, ``wrongtype``, ``noperm``, …). Gauges: degraded, the slowest call
+and the slowest round trip in seconds.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ _COUNTERS = {
     "dropped_puts": "writes dropped (refused by a node, a failover, a dead or hung node, the budget)",
     "corrupt": "values whose length or digest disagreed with their metadata",
     "budget_refused": "writes dropped by the tenant's byte budget",
-    "redirect_retries": "reads retried through the cluster client after MOVED/ASK",
+    "redirect_retries": "reads re-sent to the node a MOVED/ASK named (batched per node)",
+    "redirect_exhausted": "reads still redirected after the last round of redirections (misses)",
+    "redirect_unknown_node": "reads redirected to a node the slot map does not know (misses)",
+    "node_down_skips": "rounds not sent: the node is left alone after refusing or timing out",
+    "put_conflicts": "writes refused: the key holds other bytes or another type",
+    "budget_untrusted": "writes refused: the tenant's usage counter cannot be trusted",
+    "slot_map_refreshes": "slot map re-reads after a reply showed it stale",
 }
 
 
@@ -53,4 +61,5 @@ class ClusterMetrics(ScrapeExporter):
         ]
         yield counter(self.name("errors"), "failed calls per node and kind", labels=["node", "kind"], samples=errors)
         yield gauge(self.name("slowest_call_seconds"), "the slowest call so far", b.slowest_call_s)
+        yield gauge(self.name("slowest_round_trip_seconds"), "the slowest pipeline to one node", b.slowest_round_trip_s)
         yield gauge(self.name("degraded"), "1 while a node is left alone or no node answers", int(b.degraded))

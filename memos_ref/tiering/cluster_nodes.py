@@ -115,7 +115,8 @@ class ClusterNodes:
         self._client = client
         self.node_counts: dict[str, Counter[str]] = defaultdict(Counter)
         self.error_counts: Counter[str] = Counter()
-        self.slowest_call_s = 0.0
+        self.slowest_call_s = 0.0  # any one network call: a pipeline, or a command through the cluster client
+        self.slowest_round_trip_s = 0.0  # one pipeline to one node: one round trip, at most one socket timeout
         self._down: dict[str, float] = {}  # node -> monotonic time until which it is left alone
         self._timeouts: Counter[str] = Counter()
         self._lock = threading.RLock()
@@ -205,7 +206,9 @@ class ClusterNodes:
                 self._down[node] = self.clock() + self.retry_after
             return None
         finally:
-            self.slowest_call_s = max(self.slowest_call_s, time.perf_counter() - started)
+            took = time.perf_counter() - started
+            self.slowest_call_s = max(self.slowest_call_s, took)
+            self.slowest_round_trip_s = max(self.slowest_round_trip_s, took)
         self._timeouts[node] = 0
         self.node_counts[node]["rounds"] += 1
         return replies
