@@ -328,13 +328,15 @@ def failover(cluster: Any, namespace: str, requests: int = 6, new: int = 4, time
                 healed.set()
             time.sleep(0.05)
 
+    first = _stack(cluster.url, namespace, timeout=timeout)  # round 0 is ready (its client holds the slot map)
+    first[2].client  # noqa: B018 - connect now: round 0's reads start the moment the master dies, under any load
     cluster.kill(victim)
     killed = time.monotonic()
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     served, totals, probe = [], Counter(), os.urandom(4096)
     for r in range(50):  # a fresh pool each round (so it reads the tier), until the cluster has healed
-        _, _, backend, engine, _, _ = _stack(cluster.url, namespace, timeout=timeout)
+        _, _, backend, engine, _, _ = first if r == 0 else _stack(cluster.url, namespace, timeout=timeout)
         for i, p in enumerate(prompts):
             # another agent's new blocks, written meanwhile: those on the dead master's slots are dropped
             stored = backend.put_many({f"probe-{r}-{i}-{j}": probe for j in range(6)})
@@ -343,6 +345,7 @@ def failover(cluster: Any, namespace: str, requests: int = 6, new: int = 4, time
             req = engine.submit(Request(p, max_new_tokens=new))
             engine.run()
             served.append((req, p))
+        totals["tier_errors"] += engine.tier_counts["tier_errors"]  # a tier call that raised into the engine
         stats = backend.stats()
         totals.update({k: v for k, v in stats.items() if isinstance(v, int) and k not in ("blocks", "bytes")})
         totals["slowest_call_us"] = max(totals["slowest_call_us"], round(stats["slowest_call_s"] * 1e6))
@@ -359,6 +362,7 @@ def failover(cluster: Any, namespace: str, requests: int = 6, new: int = 4, time
         "requests": len(served),
         "requests_lost": sum(r.failed or not r.finished for r, _ in served),
         "failover_wrong_kv": sum(r.output != exp[tuple(p)] for r, p in served),
+        "tier_errors": stats.get("tier_errors", 0),
         "failover_misses": stats.get("misses", 0) + stats.get("read_ahead_misses", 0),
         "failover_dropped_writes": stats.get("dropped_puts", 0),
         "probe_writes": stats.get("probe_writes", 0),
