@@ -3,6 +3,7 @@ per node, tenants, TTL and budget, planted values, a full node, a slot migrated 
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import redis
@@ -72,8 +73,21 @@ def test_ttl_and_tenant_budget(redis_cluster):
     assert b.put("c", b"z" * 1500) is False and b.counts["budget_refused"] == 1  # would pass 3000
     assert b.get("c") is None and b.get("b") == b"y" * 1000
     port = owner(redis_cluster, b.prefix + "{a}:v")
-    assert 0 < node(redis_cluster, port).pttl(b.prefix + "{a}:v") <= 30_000
+    for rkey in (b.prefix + "{a}:v", b.prefix + "{a}:m"):  # the value and its metadata (one slot) expire alike
+        assert 0 < node(redis_cluster, port).pttl(rkey) <= 30_000
+    usage = b.prefix + "{usage-budget}"  # the budget counter expires with the blocks it counts
+    assert 0 < node(redis_cluster, owner(redis_cluster, usage)).pttl(usage) <= 30_000
     b.clear()
+    short = backend(redis_cluster, "expiry", ttl=0.05)
+    assert short.put("e", b"gone soon")
+    rkey = short.prefix + "{e}:v"
+    expiring = node(redis_cluster, owner(redis_cluster, rkey))
+    assert 0 < expiring.pttl(rkey) <= 50
+    for _ in range(200):  # bounded (4 s): EXISTS reads the key, so Redis expires it then, 50 ms after the write
+        if not expiring.exists(rkey):
+            break
+        time.sleep(0.02)
+    assert short.get("e") is None and short.counts["misses"] == 1
 
 
 def _block(seed: int) -> torch.Tensor:
