@@ -453,3 +453,50 @@ def test_tls_options_pass_through_and_a_failed_handshake_is_a_miss(redis_cluster
     b = ClusterTierBackend(f"rediss://127.0.0.1:{port}", fingerprint=FP, timeout=0.5)  # a plain-text node
     assert b.get("k") is None and b.put("k", b"v") is False and b.get_many(["k"]) == {}
     assert b.counts["errors"] >= 1 and b.degraded
+
+
+def test_the_slot_map_is_re_read_from_a_node_left_alone_last():
+    """A node that refused a connection is left alone; the slot-map re-read its failure asks for is told to try
+    that node last (redis-py shuffles the startup nodes, and a hung node would cost a timeout)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from memos_ref.tiering.cluster_nodes import ClusterNodes
+
+    calls: list[dict] = []
+
+    class Manager:
+        def initialize(self, additional_startup_nodes_info=None, last_failed_node_name=None):
+            calls.append({"last_failed_node_name": last_failed_node_name})
+
+    class Client:
+        nodes_manager = Manager()
+
+        def get_node(self, host=None, port=None, node_name=None):
+            return type("N", (), {"name": node_name})()
+
+        def get_redis_connection(self, node):
+            def pipeline(transaction=False):
+                raise RedisConnectionError("refused") from ConnectionRefusedError(111, "refused")
+
+            return type("R", (), {"pipeline": staticmethod(pipeline)})()
+
+    now = [10.0]
+    counts: Counter[str] = Counter()
+    nodes = ClusterNodes(
+        [("h", 1)],
+        {},
+        timeout=0.1,
+        retry_after=5,
+        failure_threshold=2,
+        counts=counts,
+        clock=lambda: now[0],
+        client=Client(),
+    )
+    assert nodes.pipeline("10.0.0.2:7001", lambda pipe: None) is None  # refused: left alone at once
+    assert nodes.error_counts["refused"] == 1 and nodes.degraded
+    nodes.refresh()
+    assert calls == [{"last_failed_node_name": "10.0.0.2:7001"}] and counts["slot_map_refreshes"] == 1
+    now[0] += 6  # retry_after passed: no node is left alone any more
+    nodes.count("x", RedisConnectionError("reset"))  # the map is stale again
+    nodes.refresh()
+    assert calls[-1] == {"last_failed_node_name": None} and counts["slot_map_refreshes"] == 2

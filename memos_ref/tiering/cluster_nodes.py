@@ -17,11 +17,14 @@ followed in batches, a failing node left alone, every error counted by node and 
   a command still redirected after that, or redirected to a node the slot map does not know, is a counted
   failure (a miss), never an exception.
 * **The slot map** is re-read only once a reply showed it stale (``MOVED``, a refused or timed-out node,
-  ``CLUSTERDOWN``, a slot without a node) and at most every 0.2 s; ``ASK`` is temporary and keeps it.
+  ``CLUSTERDOWN``, a slot without a node) and at most every 0.2 s, asking the node most recently left alone last
+  (redis-py asks the startup nodes in a random order, and a hung one costs a timeout); ``ASK`` is temporary and
+  keeps the map.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections import Counter, defaultdict
@@ -166,8 +169,13 @@ class ClusterNodes:
         if not (self._stale or force) or now - self._refreshed_at < _REFRESH_EVERY_S or self._client is None:
             return
         self._stale, self._refreshed_at = False, now
+        down = [node for node, until in self._down.items() if until > now]
         try:
-            self._client.nodes_manager.initialize()
+            manager = self._client.nodes_manager
+            if down and "last_failed_node_name" in inspect.signature(manager.initialize).parameters:
+                manager.initialize(last_failed_node_name=down[-1])  # ask a node left alone last (a hung one stalls)
+            else:
+                manager.initialize()
             self.counts["slot_map_refreshes"] += 1
         except Exception as exc:
             self.count("client", exc)
