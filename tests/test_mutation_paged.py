@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memos_ref.errors import InvalidArgumentError
-from memos_ref.paged import PagedKV, block_hashes
+from memos_ref.errors import ArgumentTypeError, InvalidArgumentError
+from memos_ref.paged import BlockAllocator, PagedKV, block_hashes
+from memos_ref.paged.allocator import FREED, REMOVED, BlockEvent
 from memos_ref.spec import KVSpec
 
 T = 8
@@ -182,3 +183,119 @@ def test_blocks_needed_after_truncate_with_a_private_unindexed_tail_is_just_new_
     want = seq.blocks_needed(n)
     assert want == -(-(20 + n) // T) - 3
     assert _allocated_by_reserve(seq, n) == want
+
+
+# ------------------------------------------- the allocator's parts: full mutmut run of paged-alloc (2026-12-02)
+# The oracle: the blocks the test allocated, freed and cached, and the events it expects from those calls.
+
+H1, H2 = bytes(range(32)), bytes(range(1, 33))
+TOKENS = [5, 6, 7, 8]
+
+
+def _cached_block(alloc):
+    """A block indexed under H1 with TOKENS and then released: cached, refcount 0."""
+    [block] = alloc.allocate(1)
+    assert alloc.cache_block(block, H1, TOKENS)
+    alloc.free(block)
+    assert alloc.num_cached == 1 and alloc.refcount[block] == 0
+    return block
+
+
+def test_take_cached_revives_only_the_block_indexed_with_the_same_tokens():
+    """take_cached serves a cached block only when both its hash and its token ids match (a hash collision never
+    serves another prompt's KV), and the block it returns has one holder."""
+    alloc = BlockAllocator(4)
+    block = _cached_block(alloc)
+    assert alloc.take_cached(H1, [5, 6, 7, 9]) is None  # same hash, other tokens
+    assert alloc.take_cached(H2, TOKENS) is None  # other hash
+    assert alloc.num_cached == 1 and alloc.refcount[block] == 0
+    assert alloc.take_cached(H1, TOKENS) == block
+    assert alloc.refcount[block] == 1 and alloc.num_cached == 0 and alloc.num_active == 1
+
+
+def test_uncache_reports_the_hash_it_removed():
+    """A subscriber to 'removed' (one kind given as a plain string) learns which hash left the index."""
+    alloc = BlockAllocator(4)
+    queue = alloc.subscribe(REMOVED)
+    block = _cached_block(alloc)
+    assert alloc.uncache(block) == H1
+    assert queue.drain() == [BlockEvent(REMOVED, block, H1)]
+    assert alloc.num_cached == 0 and alloc.num_free == 4
+
+
+def test_a_cached_block_marked_cacheable_again_stays_cached():
+    """set_cacheable(block, True) on a cached block changes nothing; set_cacheable(block, False) frees it; a
+    non-bool is refused naming the argument."""
+    alloc = BlockAllocator(4)
+    block = _cached_block(alloc)
+    alloc.set_cacheable(block, True)
+    assert alloc.num_cached == 1 and alloc.num_free == 3
+    with pytest.raises(ArgumentTypeError, match=r"^cacheable: expected bool, got int"):
+        alloc.set_cacheable(block, 1)
+    alloc.set_cacheable(block, False)
+    assert alloc.num_cached == 0 and alloc.num_free == 4
+
+
+def test_a_handler_s_own_allocator_calls_are_delivered_after_it_returns():
+    """Events a handler causes (here: freeing another block) reach it after the current call returns, never
+    nested inside it."""
+    alloc = BlockAllocator(4)
+    a, b = alloc.allocate(2)
+    log = []
+
+    def handler(event):
+        log.append(("in", event.block))
+        if event.block == a:
+            alloc.free(b)
+        log.append(("out", event.block))
+
+    alloc.subscribe(FREED, handler=handler)
+    alloc.free(a)
+    assert log == [("in", a), ("out", a), ("in", b), ("out", b)]
+
+
+def test_a_bounded_queue_keeps_the_newest_events_and_counts_every_drop():
+    """maxlen=1 (the smallest allowed) keeps the last event; dropped counts each one pushed out."""
+    alloc = BlockAllocator(4)
+    queue = alloc.subscribe([FREED], maxlen=1)
+    blocks = alloc.allocate(3)
+    for block in blocks:
+        alloc.free(block)
+    assert queue.drain() == [BlockEvent(FREED, blocks[-1])] and queue.dropped == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kinds": ["freed", "nope"]}, r"^unknown event kinds \['nope'\]; expected some of \['allocated', "),
+        ({"handler": 5}, r"^handler must be callable, got int$"),
+        ({"maxlen": 0}, r"^maxlen: expected an integer in >= 1, got 0$"),
+    ],
+)
+def test_a_bad_subscription_is_refused_naming_what_was_wrong(kwargs, message):
+    """An unknown kind, a handler that is not callable and a maxlen below 1 are refused, each saying so."""
+    alloc = BlockAllocator(2)
+    with pytest.raises(InvalidArgumentError, match=message):
+        alloc.subscribe(**kwargs)
+
+
+def test_unsubscribe_stops_the_events():
+    """After unsubscribe, the queue receives nothing more."""
+    alloc = BlockAllocator(2)
+    queue = alloc.subscribe(FREED)
+    alloc.unsubscribe(queue)
+    alloc.free(alloc.allocate(1)[0])
+    assert len(queue) == 0
+
+
+def test_allocate_up_to_takes_what_is_available_and_refuses_a_negative_count():
+    """allocate_up_to(n) takes min(n, free + cached) blocks (0 is a valid n), evicting cached blocks last."""
+    alloc = BlockAllocator(4)
+    cached = _cached_block(alloc)
+    assert alloc.allocate_up_to(0) == []
+    got = alloc.allocate_up_to(2)
+    assert len(got) == 2 and cached not in got and alloc.num_cached == 1
+    got += alloc.allocate_up_to(10)
+    assert sorted(got) == [0, 1, 2, 3] and alloc.num_available == 0 and alloc.num_active == 4
+    with pytest.raises(InvalidArgumentError, match=r"^n: expected an integer in >= 0, got -1$"):
+        alloc.allocate_up_to(-1)
