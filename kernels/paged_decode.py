@@ -22,7 +22,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from memos_kernels.common import NEG, CheckResult, check_cache, check_fp8, default_device
+from memos_kernels.common import NEG, CheckResult, check_cache, check_fp8, default_device, should_validate
 from memos_kernels.decode_launch import (
     DecodeConfig,
     DecodePlan,
@@ -36,6 +36,7 @@ from memos_kernels.decode_launch import (
     sm_count,
     validate_decode_inputs,
 )
+from memos_kernels.decode_step import DecodeStepLaunch
 from memos_kernels.launch_plan import RUNTIME_ARGS
 from memos_kernels.timing import time_ms
 
@@ -54,6 +55,7 @@ __all__ = [
     "decode_config",
     "decode_reduce_kernel",
     "decode_split_kernel",
+    "decode_step_launch",
     "default_workspace",
     "dequantize_cache",
     "dot_flags",
@@ -327,6 +329,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
     validate: bool | None = None,
+    step_memo: dict[str, object] | None = None,
 ) -> torch.Tensor:
     """Decode attention: ``query [B, Hq, D]`` (one token per sequence) over each sequence's ``seq_lens[b]`` cached
     tokens, found through ``block_tables [B, max_blocks]`` in ``key_cache, value_cache [N, H, T, D]``.
@@ -344,7 +347,27 @@ def paged_decode_attention(
 
     Bounds: ``validate`` (default: on the CPU only, where it costs no host sync) refuses lengths past the tables'
     capacity or ``max_seq_len`` and block ids outside the pool; unvalidated, the kernel still never reads outside
-    the table or the pool (it masks such tokens: the result is the reference's over the valid tokens)."""
+    the table or the pool (it masks such tokens: the result is the reference's over the valid tokens).
+
+    ``step_memo`` (a dict the caller keeps for one step, e.g. its step's notes): a float-cache call checks and plans
+    once (:class:`~memos_kernels.decode_step.DecodeStepLaunch`, kept there) and every later call with the same
+    tables, lengths, scale, bound and layouts only launches (the values still checked when ``validate`` says)."""
+    if step_memo is not None and quant == "none" and tokens_per_split is None and blocks_per_split is None:
+        planned = step_memo.get("decode_step_launch")
+        if (
+            isinstance(planned, DecodeStepLaunch)
+            and workspace is None
+            and planned.matches(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len)
+        ):
+            if should_validate(validate, seq_lens.device):
+                decode_bounds(block_tables, seq_lens, key_cache.shape[0], key_cache.shape[2], max_seq_len, True)
+            return planned.launch(query, key_cache, value_cache, out, checked=True)
+        if workspace is None:
+            planned = step_memo["decode_step_launch"] = decode_step_launch(
+                query, key_cache, value_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len,
+                validate=validate,
+            )  # fmt: skip
+            return planned.launch(query, key_cache, value_cache, out)
     if quant not in QUANT_MODES:
         raise ConfigError(f"quant must be one of {sorted(QUANT_MODES)}, got {quant!r}")
     _n, h, t, d = check_cache(key_cache, value_cache, quant)
@@ -381,6 +404,25 @@ def paged_decode_attention(
         DIRECT=int(plan.num_splits == 1), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return reduce_decode(plan, seq_lens)
+
+
+def _kernels() -> tuple[object, object]:
+    return decode_split_kernel, decode_reduce_kernel  # looked up at each launch (tests replace them)
+
+
+def decode_step_launch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    **options: object,
+) -> DecodeStepLaunch:
+    """:class:`~memos_kernels.decode_step.DecodeStepLaunch` of this module's kernels: a float-cache decode checked
+    and planned once (``options``: ``scale``, ``max_seq_len``, ``tokens_per_split``, ``workspace``, ``validate``),
+    launched per layer with ``.launch(query, key_cache, value_cache)``."""
+    return DecodeStepLaunch(query, key_cache, value_cache, block_tables, seq_lens, kernels=_kernels,
+                            **options)  # type: ignore[arg-type]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- check

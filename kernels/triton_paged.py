@@ -12,6 +12,7 @@ interpreter on CPU tensors.
 from __future__ import annotations
 
 from memos_kernels.copy_blocks import copy_blocks
+from memos_kernels.decode_step import DecodeStepLaunch
 from memos_kernels.kivi_decode import paged_decode_attention_kivi, paged_decode_attention_kivi_packed
 from memos_kernels.paged_decode import QUANT_MODES, paged_decode_attention
 from memos_kernels.paged_prefill import paged_prefill_attention
@@ -19,6 +20,7 @@ from memos_kernels.write_kv import write_kv, write_kv_fp8, write_kv_int8
 
 __all__ = [
     "QUANT_MODES",
+    "DecodeStepLaunch",
     "copy_blocks",
     "paged_decode_attention",
     "paged_decode_attention_kivi",

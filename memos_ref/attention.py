@@ -363,14 +363,17 @@ def _prefill_kernel(query: torch.Tensor, step: StepBatch, layer: int, scale: flo
 def _attend_kernel(path: str, query: torch.Tensor, step: StepBatch, layer: int, scale: float | None) -> torch.Tensor:
     """One decode step ``query [B, Hq, D]`` of layer ``layer`` through the ``path`` kernel; returns ``[B, Hq, D]``."""
     tk, pool = _triton(), step.pool
-    tables, lens, longest = step.block_tables, step.seq_lens, max(step.lens)
-    if path == "plain":
+    tables, lens = step.block_tables, step.seq_lens
+    longest = step.notes.get("longest")
+    if longest is None:  # once per step
+        longest = step.notes["longest"] = max(step.lens)
+    if path == "plain":  # checked and planned at the step's first layer (step_memo), the others only launch
         view = pool.segments[0][:, layer]  # [N, 2, H, T, D]
         return _launch(
             "paged_decode_attention",
             tk.paged_decode_attention,
             query, view[:, 0], view[:, 1], tables, lens, scale=scale, max_seq_len=longest,
-            validate=_validate(step, "decode"),
+            validate=_validate(step, "decode"), step_memo=step.notes,
         )  # fmt: skip
     if path in ("int8", "fp8"):
         args = pool.kernel_args(layer)
