@@ -24,10 +24,19 @@ import sys
 import threading
 import time
 from collections import Counter
-from statistics import median
 from typing import Any
 
-__all__ = ["ServeProcess", "human", "plot", "render_markdown", "run", "serve_role"]  # torch is imported lazily
+from memos_ref.bench.cluster_throughput import throughput
+
+__all__ = [
+    "ServeProcess",
+    "human",
+    "plot",
+    "render_markdown",
+    "run",
+    "serve_role",
+    "throughput",
+]  # torch is imported lazily
 
 SYSTEM_LINE = "You are a careful agent. Tools: search(query), read(url), write(path, text). Answer briefly. "
 SYSTEM = SYSTEM_LINE * 6  # ~580 tokens: the bench's and the tests' shared system prompt
@@ -271,40 +280,6 @@ def disaggregated(
         "decode_ttft_recompute_s": d["recompute"]["ttft_s"],
         "reused_tokens": d["tiered"]["reused"],
     }
-
-
-def throughput(urls: dict[int, str], rounds: int, blocks: int) -> dict[str, Any]:
-    """Reads and writes of 32 KiB blocks per second through the cluster tier (pipelined per node), on clusters of
-    1 and 3 masters (``urls``: masters -> url), rounds interleaved so load drifts hit both alike; median and
-    min-max per cluster, and the 3/1 ratio of medians with the min-max of the per-round ratios."""
-    from memos_ref.tiering.cluster import ClusterTierBackend
-
-    data = os.urandom(32 << 10)
-    backends = {m: ClusterTierBackend(u, fingerprint="bench", namespace="tput") for m, u in urls.items()}
-    rates: dict[int, dict[str, list[float]]] = {m: {"write": [], "read": []} for m in urls}
-    for r in range(rounds):
-        for masters, b in backends.items():
-            items = {f"r{r}b{i}": data for i in range(blocks)}
-            started = time.perf_counter()
-            stored = sum(b.put_many(items).values())
-            rates[masters]["write"].append(stored / (time.perf_counter() - started))
-            started = time.perf_counter()
-            got = b.get_many(list(items))
-            rates[masters]["read"].append(len(got) / (time.perf_counter() - started))
-    out: dict[str, Any] = {"blocks_per_round": blocks, "rounds": rounds, "block_bytes": len(data)}
-    for masters, b in backends.items():
-        b.clear()
-        b.close()
-        for op in ("write", "read"):
-            xs = rates[masters][op]
-            out[f"{op}_blocks_per_s_{masters}m"] = median(xs)
-            out[f"{op}_min_max_{masters}m"] = [min(xs), max(xs)]
-    if 1 in rates and 3 in rates:
-        for op in ("write", "read"):
-            ratios = [c / a for a, c in zip(rates[1][op], rates[3][op])]
-            out[f"{op}_ratio_3m_over_1m"] = median(rates[3][op]) / median(rates[1][op])
-            out[f"{op}_ratio_min_max"] = [min(ratios), max(ratios)]
-    return out
 
 
 def failover(cluster: Any, namespace: str, requests: int = 6, new: int = 4, timeout: float = 0.3) -> dict[str, Any]:
