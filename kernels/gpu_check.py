@@ -12,7 +12,9 @@ the run):
    JUnit file each); without pytest, each kernel file's checks instead (the fallback is named in the summary);
 4. ``bench`` — the host time per layer before the first launch, a device-to-device copy, then decode at 8k
    context (batch 1, 8, 64) and a prefill chunk, each timed with ``do_bench`` and ``do_bench_cudagraph``, with
-   GB/s (TFLOP/s) and the fraction of the measured copy, every row appended to ``bench.jsonl`` as measured.
+   GB/s (TFLOP/s) and the fraction of the measured copy, then a 32-layer decode step (every layer's write and
+   decode) eager beside its CUDA-graph replay (:mod:`memos_kernels.decode_graphs`, batch 1 and 8), every row
+   appended to ``bench.jsonl`` as measured.
 
 The whole output is one JSON (stdout and ``DIR/gpu_check.json``); the exit status is non-zero on any wrong
 result, failed test, phase error or timeout. ``--dry-run`` runs the same phases in Triton's interpreter on the
@@ -49,7 +51,8 @@ GOALS = {
     "host_us_per_layer": 30.0,
 }
 TEST_FILES = ["tests/test_kernels.py", "tests/test_kernels_matrix.py", "tests/test_kernel_bounds.py",
-              "tests/test_kernels_layout.py", "tests/test_kernel_path.py", "tests/test_cuda_kernel.py"]  # fmt: skip
+              "tests/test_kernels_layout.py", "tests/test_kernel_path.py", "tests/test_cuda_kernel.py",
+              "tests/test_kernels_prefill.py", "tests/test_kernels_graphs.py"]  # fmt: skip
 #: Left to CI: the ahead-of-time register check compiles the launch planner's set under CI's Triton and the
 #: device's 3.6 (tests/test_kernels_triton36.py) without a GPU; here it would spend the tests phase compiling.
 NOT_ON_DEVICE = "not compiles_for_a_real_gpu"
@@ -245,9 +248,11 @@ def phase_tests(out: Path, dry: bool) -> int:
 
 def host_us_per_layer(calls: int = 300) -> dict[str, float]:
     """Host time of one layer's decode call before its launch (validation, planning, argument packing), in µs:
-    the wrapper with its kernels replaced by no-ops, per step's first layer (``validate=None``: the values
-    checked, on the CPU) and every other layer (``validate=False``). CPU tensors, 8 × 32/8 heads × 128, 8k.
-    The fastest of ten batches (and the median batch, ``*_median_us``)."""
+    the wrapper with its kernels replaced by no-ops, as the package's forward calls it (``step_memo``): the step's
+    first layer (``validate=None``: the values checked on the CPU, and the plan made) and every other layer
+    (``validate=False``, the step's plan reused); and a call without the memo (``unplanned_layer_us``: checked
+    and planned every layer). CPU tensors, 8 × 32/8 heads × 128, 8k. The fastest of ten batches (and the median
+    batch, ``*_median_us``)."""
     import torch
     from memos_kernels import paged_decode as pd
     from memos_kernels.timing import stopwatch  # torch: imported by the phases only
@@ -264,11 +269,13 @@ def host_us_per_layer(calls: int = 300) -> dict[str, float]:
         tables = torch.arange(8 * 512).reshape(8, 512) % 1024
         lens, out = torch.full((8,), 8192), torch.empty_like(q)
         res = {}
-        for key, validate in (("first_layer_us", None), ("other_layers_us", False)):
+        kc, vc, notes = pool[:, 0], pool[:, 1], {}
+        for key, validate, memo in (("first_layer_us", None, "fresh"), ("other_layers_us", False, notes),
+                                    ("unplanned_layer_us", False, None)):  # fmt: skip
 
-            def call(v: bool | None = validate) -> None:
-                pd.paged_decode_attention(q, pool[:, 0], pool[:, 1], tables, lens, max_seq_len=8192, out=out,
-                                          validate=v)  # fmt: skip
+            def call(v: bool | None = validate, m: Any = memo) -> None:
+                pd.paged_decode_attention(q, kc, vc, tables, lens, max_seq_len=8192, out=out, validate=v,
+                                          step_memo={} if m == "fresh" else m)  # fmt: skip
 
             for _ in range(20):
                 call()
@@ -359,6 +366,12 @@ def phase_bench(out: Path, dry: bool) -> int:
            "fa2_fraction": tflops / FA2_H100_TFLOPS, "max_abs_err": err, "ok": err <= s["tol"]}  # fmt: skip
     bad += not row["ok"]
     _append(path, row)
+    from memos_kernels.decode_graphs import bench_step_graphs  # the 32-layer step, eager and from a CUDA graph
+
+    shape = {k: s[k] for k in ("kv_heads", "group", "head_dim", "block_size", "dtype")}
+    for row in bench_step_graphs(device, **shape, **(dict(layers=2, batches=(1, 2), context=64) if dry else {})):
+        bad += not row["ok"]
+        _append(path, row)
     return 1 if bad else 0
 
 
