@@ -11,7 +11,7 @@ import pytest
 
 from memos_ref.errors import ArgumentTypeError, CapacityExceededError, ConfigError, InvalidArgumentError, StateError
 from memos_ref.memory import AbsentKeyError, ShardedStore, TTLStore
-from memos_ref.memory.store import MISSING, encode_value, json_text
+from memos_ref.memory.store import MISSING, encode_value, json_text, validate_key
 
 
 class Clock:
@@ -356,3 +356,68 @@ def test_an_entry_s_size_is_its_key_plus_payload_unless_given():
     assert KVEntry("key", '"v"', None, 0, 0.0, 0.0, 1).size_bytes == 6
     assert KVEntry("key", '"v"', None, 0, 0.0, 0.0, 1, 10).size_bytes == 10
     assert KVEntry("key", '"v"', None, 0, 0.0, 0.0, 1, 0).size_bytes == 0
+
+
+def test_rewriting_a_key_with_the_same_or_a_later_expiry_adds_no_heap_record():
+    """An overwrite keeps the entry's expiry record when the new expiry is the same or later (sweep moves it), and
+    pushes one only for an earlier expiry; so rewriting a hot key does not grow the heap."""
+    for name, store, shard, clock in _stores("lru"):
+        for _ in range(3):
+            store.set("k", 1, ttl=10)
+        assert shard.heap_size == 1, name
+        clock.t += 1
+        store.set("k", 2, ttl=10)  # later expiry: the record stands
+        assert shard.heap_size == 1, name
+        store.set("k", 3, ttl=1)  # earlier expiry: a new record
+        assert shard.heap_size == 2, name
+        clock.t += 1
+        assert shard.sweep() == 1 and store.get("k") is None, name
+
+
+def test_sweep_counts_what_it_removes_as_expirations():
+    for name, store, shard, clock in _stores("lru"):
+        store.set("a", 1, ttl=1)
+        store.set("b", 2, ttl=5)
+        clock.t += 2
+        assert shard.sweep() == 1 and shard.stats == {"sets": 2, "expirations": 1}, name
+
+
+@pytest.mark.parametrize(
+    ("args", "text"),
+    [
+        (("m",), "no live value for key 'm'"),
+        ((), "no live value for key ''"),
+        ((5,), "no live value for key '5'"),
+        (("k" * 80,), f"no live value for key {'k' * 80!r}"),
+        (("k" * 81,), f"no live value for key {'k' * 80!r} (81 characters)"),
+    ],
+)
+def test_an_absent_key_error_quotes_its_key_up_to_80_characters(args, text):
+    """The message names the key exactly (its repr when not a str) and adds the length only when it was cut."""
+    assert str(AbsentKeyError(*args)) == text
+
+
+def test_validate_key_accepts_250_characters_and_names_what_it_refuses():
+    """validate_key (what the stores call for any key their inline check does not accept outright) accepts 1 to
+    250 printable characters and refuses the rest with the key, its length and the rule in the message."""
+    assert validate_key("y" * 250) == "y" * 250 and validate_key("k") == "k"
+    with pytest.raises(ArgumentTypeError, match=r"^key: expected str, got int \(5\)$"):
+        validate_key(5)
+    with pytest.raises(ConfigError, match=r"^invalid key 'a b' \(3 characters\): expected 1-250 printable characters"
+                       r" without whitespace$"):  # fmt: skip
+        validate_key("a b")
+
+
+@pytest.mark.parametrize("value", [{"b": 1, "a": [1.5, None, True]}, "é\n", ["é", {"k": "x"}], 0, -2.5, None])
+def test_a_freshly_built_json_text_writes_what_json_dumps_writes(value):
+    """json_text is built once, at import, by _json_text_fn: a mutant of the builder never reaches the module's
+    json_text under mutmut, so the builder is called here: the text equals json.dumps(value, separators=(",",
+    ":"), allow_nan=False) (keys unsorted, ASCII), and what that refuses (NaN, infinities, a non-str key) it
+    refuses too."""
+    from memos_ref.memory.values import _json_text_fn
+
+    fresh = _json_text_fn()
+    assert fresh(value) == json.dumps(value, separators=(",", ":"), allow_nan=False)
+    for bad in (float("nan"), [float("inf")], {(1, 2): 3}):
+        with pytest.raises((ValueError, TypeError)):
+            fresh(bad)
