@@ -211,3 +211,19 @@ def test_a_tensor_file_with_the_wrong_content_is_refused_saying_what_it_holds(sa
     _replace_tensor_file(path, parsed, save_tensors({"kv": wrong_shape}))
     with pytest.raises(CorruptCacheError, match=r"has shape \(2, 2, 2, 4, 5\), the manifest implies \(2, 2, 2, 5, 4\)"):
         read_session_tensor(tensor, parsed, SPEC)
+
+
+def test_a_parser_error_is_quoted_at_most_200_characters(saved, monkeypatch):
+    """A hostile file can make the tensor parser's message as long as it likes; the refusal quotes its first 200
+    characters only. (safetensors' own messages are short, so a parser that fails with a long one stands in.)"""
+    import memos_ref.session.persist as persist
+
+    def long_failure(data):
+        raise ValueError("x" * 199 + "yz" + "w" * 300)
+
+    monkeypatch.setattr(persist, "safetensors_load", long_failure)
+    path, _manifest, _kv = saved
+    parsed = parse_manifest(path.read_bytes(), path, VOCAB)
+    with pytest.raises(CorruptCacheError) as info:
+        read_session_tensor(path.with_suffix(".safetensors"), parsed, SPEC)
+    assert str(info.value).endswith("is not a readable session tensor file: " + "x" * 199 + "y")
