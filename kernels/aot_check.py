@@ -24,13 +24,13 @@ import json
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from memos_kernels.launch_plan import Launch, launches
 
-__all__ = ["Config", "Resources", "compile_all", "config_for", "configs", "format_table", "format_versions", "hot",
-           "load_results", "spills"]  # fmt: skip
+__all__ = ["Config", "Resources", "compile_all", "compile_key", "config_for", "configs", "format_table",
+           "format_versions", "hot", "load_results", "specializations", "spills"]  # fmt: skip
 
 LAYERS = 32  # the pool's layer axis, for realistic strides (Llama-3-8B)
 
@@ -251,13 +251,39 @@ def compile_all(capability: int, full: bool = False, *, only: str | None = None,
         covered = {c.kernel for c in chosen} | ({"write_kv_fp8_kernel"} if capability < 89 else set())
         if every - covered:
             raise RuntimeError(f"kernels without an ahead-of-time case: {sorted(every - covered)}: add them")
-    out = []
-    for config in chosen:
-        out.append(_compile(config, capability))
+    out, done = [], {}
+    for config in chosen:  # each distinct specialization compiled once; every launch it covers gets its row
+        key = compile_key(config)
+        if key not in done:
+            done[key] = _compile(config, capability)
+        out.append(replace(done[key], name=config.name))
         if jsonl:
             with open(jsonl, "a") as f:
                 f.write(json.dumps({"triton": triton.__version__, **asdict(out[-1])}) + "\n")
     return out
+
+
+def compile_key(config: Config) -> tuple:
+    """What Triton compiles for ``config``: the kernel, its run-time signature (pointer and integer types,
+    ``==1`` constants), constexprs, divisibility hints, warps and stages. Two configurations with one key share
+    one binary (:func:`compile_all` compiles it once)."""
+    import importlib
+
+    fn = getattr(importlib.import_module(f"memos_kernels.{config.module}"), config.kernel)
+    signature, consts, attrs = _signature(fn, config)
+    consts_key = tuple(sorted((k, repr(v)) for k, v in consts.items()))
+    attrs_key = tuple(sorted((k, repr(v)) for k, v in attrs.items()))
+    return (config.module, config.kernel, tuple(signature.items()), consts_key, attrs_key, config.num_warps,
+            config.num_stages)  # fmt: skip
+
+
+def specializations(capability: int, full: bool = True) -> dict[tuple, list[str]]:
+    """The launches of :func:`configs` grouped by :func:`compile_key`: each key is one compilation, its list the
+    launch names it serves."""
+    groups: dict[tuple, list[str]] = {}
+    for config in configs(capability, full):
+        groups.setdefault(compile_key(config), []).append(config.name)
+    return groups
 
 
 def spills(resources: list[Resources]) -> list[str]:

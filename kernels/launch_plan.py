@@ -119,16 +119,27 @@ def decode_config(group: int, block_size: int, head_dim: int, dtype: torch.dtype
       stays live beside the exact fp32 products);
     - KIVI: 8 warps and a tile of at most 4,096 unpacked elements (2,048 under fp32 queries): the unpacking holds
       codes, scales and zeros of a tile; at head dim 128 4 warps spill ~300 B under 3.6, a 64-token tile 16 B at
-      sm_87, 32 tokens in fp32 ~150 B; at head dim 64 in fp32 64 tokens ~560 B, 32 tokens with 4 warps 4 B."""
+      sm_87, 32 tokens in fp32 ~150 B; at head dim 64 in fp32 64 tokens ~560 B, 32 tokens with 4 warps 4 B; at
+      head dim 16 under 16-bit queries a 32-token tile (64: 8/4 B at sm_87 under 3.9, 2-bit; under fp32 queries
+      32 spilled 8/12 B at sm_90 under 3.6 and 64 does not);
+    - int8/fp8 caches: a tile of at most 64 tokens (128 at head dim 32 under 16-bit queries: 4 B at sm_90 under
+      3.6);
+    - fp32 queries on a float cache at head dim 64: 1 stage (2: 8/16 B at sm_90 under 3.6)."""
     del block_size
     elt = 4 if dtype == torch.float32 else 2
     tile = max(16, min(128, (16384 // elt) // head_dim))
     tile = min(tile, 64 if head_dim >= 128 else 128)
     warps, stages = 4, 2 if elt == 4 else 3
-    if quant in ("int8", "fp8") and elt == 4:
-        stages = 1
+    if quant == "none" and elt == 4 and head_dim == 64:
+        stages = 1  # 2 stages: 8/16 B spilled at sm_90 under 3.6 (96 registers)
+    if quant in ("int8", "fp8"):
+        tile = min(tile, 64)  # 128 tokens at head dim 32 in 16 bits: 4 B spilled at sm_90 under 3.6
+        if elt == 4:
+            stages = 1
     if quant == "kivi":  # 8 warps, the unpacked tile bounded: 16 elements a thread in 16 bits, 8 in fp32
         tile = max(16, min(tile, 64, (8192 // elt) // head_dim))  # 128 at head dim 32: 8 B under 3.6 at sm_90
+        if head_dim <= 16 and elt == 2:
+            tile = 32  # 64 at head dim 16, 2-bit, 16-bit queries: 8/4 B spilled at sm_87 under 3.9 (fp32: 32 did)
         warps = 8
     return DecodeConfig(tile=tile, gp=max(16, _next_pow2(group)), num_warps=warps, num_stages=stages)
 
@@ -143,7 +154,8 @@ def prefill_launch(group: int, block_size: int, head_dim: int, dtype: torch.dtyp
     """The prefill launch: the group padded to a power of two, ``QB`` query positions so that a program holds 64
     rows (32 in fp32), at least 16 (``tl.dot``'s minimum); the decode kernel's token tile, at
     most 64 (128 at head dim 64 spills 60 B at sm_87 under 3.6), 16 in fp32 (the exact fp32
-    products are scalar FMAs: 32 spills ~1 KB at sm_90 at head dim 128, 64 ~1.8 KB at head dim 64); 8 warps at
+    products are scalar FMAs: 32 spills ~1 KB at sm_90 at head dim 128, 64 ~1.8 KB at head dim 64), 32 at head
+    dim 16 (64 spilled 4 B at sm_87 under 3.6 with a group of 16); 8 warps at
     head dim 64+ (4 spill 36 bytes at 128, sm_87, Triton 3.6: the fp32 accumulator and the scores share 4
     warps' registers), else 4; 2 stages."""
     gp = _next_pow2(group)
@@ -151,6 +163,8 @@ def prefill_launch(group: int, block_size: int, head_dim: int, dtype: torch.dtyp
     rows = 32 if fp32 else 64
     qb = max(1, rows // gp, 16 // gp)
     tile = min(64, decode_config(group, block_size, head_dim, dtype).tile)
+    if head_dim <= 16:
+        tile = 32  # 64 at head dim 16, 16 query heads a KV head: 4/4 B spilled at sm_87 under 3.6
     if fp32:
         tile = 16
     return PrefillConfig(qb, gp, tile, 8 if head_dim >= 64 else 4, 2)

@@ -8,6 +8,7 @@ call. Geometries outside the set are refused on a compiled device (``meta`` stan
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import os
@@ -22,13 +23,13 @@ except ImportError:  # pragma: no cover - triton is part of the dev install
         raise
     pytest.skip("triton is not installed (pip install 'memos-ref[kernels]')", allow_module_level=True)
 
+from memos_kernels import aot_check, decode_launch, launch_plan
 from memos_kernels import copy_blocks as cb
-from memos_kernels import decode_launch, launch_plan
 from memos_kernels import kivi_decode as kd
 from memos_kernels import paged_decode as pd
 from memos_kernels import paged_prefill as pp
 from memos_kernels import write_kv as wk
-from memos_kernels.aot_check import configs
+from memos_kernels.aot_check import configs, specializations
 from memos_kernels.launch_plan import INDEX_POINTERS, Launch
 
 from memos_ref.errors import ConfigError, DTypeError
@@ -209,3 +210,51 @@ def test_the_retuned_launches_that_spilled():
     assert launch_plan.prefill_launch(4, 16, 64, f32) == launch_plan.PrefillConfig(8, 4, 16, 8, 2)  # was ~1.8 KB
     assert launch_plan.prefill_launch(4, 16, 32, f16).num_warps == 4
     assert launch_plan.kivi_config(4, 32, 32, f16).tile == 64  # 128 spilled 8 B at sm_90 under 3.6
+
+
+def test_the_retuned_launches_that_spilled_in_the_full_run():
+    """The full set under both Tritons (docs/gpu.md, 2026-12-02, second run) found more small spills, each
+    retuned and recompiled without one: int8/fp8 under 16-bit queries at head dim 32 with a 128-token tile (4 B at
+    sm_90 under 3.6; 64 tokens: 92-94 registers), fp32 decode at head dim 64 with 2 stages (8/16 B at sm_90 under
+    3.6; 1 stage: 91), KIVI 2-bit under 16-bit queries at head dim 16 with a 64-token tile (8/4 B at sm_87 under
+    3.9; 32 tokens: 107-128; under fp32 queries 32 spilled 8/12 B at sm_90 under 3.6, 64 none), the 16-bit
+    prefill at head dim 16 with a 64-token tile and 16 query heads a KV head (4/4 B at sm_87 under 3.6; 32
+    tokens: 76-106)."""
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    for quant, dtype, d in itertools.product(("int8", "fp8"), (f32, f16, bf16), (16, 32, 64, 128)):
+        assert launch_plan.decode_config(16, 16, d, dtype, quant).tile <= 64
+    assert launch_plan.decode_config(4, 16, 32, f16, "int8") == launch_plan.DecodeConfig(64, 16, 4, 3)
+    assert launch_plan.decode_config(4, 16, 64, f32) == launch_plan.DecodeConfig(64, 16, 4, 1)
+    assert launch_plan.decode_config(4, 16, 128, f32).num_stages == 2  # only head dim 64 needed it
+    assert launch_plan.kivi_config(4, 32, 16, f16) == launch_plan.DecodeConfig(32, 16, 8, 3)
+    assert launch_plan.kivi_config(4, 32, 16, f32) == launch_plan.DecodeConfig(64, 16, 8, 2)
+    for dtype, tile in ((f16, 32), (bf16, 32), (f32, 16)):
+        assert {launch_plan.prefill_launch(g, 16, 16, dtype).tile for g in (1, 4, 16)} == {tile}
+    assert launch_plan.prefill_launch(16, 16, 32, f16).tile == 64
+    assert launch_plan.kivi_config(4, 32, 32, f16).tile == 64
+
+
+def test_each_launch_is_one_compilation_and_a_shared_one_compiles_once(monkeypatch):
+    """The planner already dedupes: no two launches share a compilation (kernel, run-time signature, constexprs,
+    hints, warps, stages), so every cell of the AOT table is its own compile. Were two to share one,
+    ``compile_all`` compiles it once and gives both launches its row."""
+    for capability in (87, 90):
+        groups = specializations(capability)
+        assert sorted(len(v) for v in groups.values()) == [1] * len(configs(capability, full=True))
+    config = configs(90)[0]
+    twin = dataclasses.replace(config, name=config.name + "_twin")
+    compiled = []
+
+    def fake_compile(cfg, capability):
+        compiled.append(cfg.name)
+        return aot_check.Resources(cfg.name, capability, 99, 0, 0, 0, ("ptx",))
+
+    monkeypatch.setattr(aot_check, "_compile", fake_compile)
+    monkeypatch.setattr(aot_check, "configs", lambda capability, full=False: [config, twin])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    got = aot_check.compile_all(90, only=config.name)
+    assert compiled == [config.name]
+    assert [(r.name, r.registers) for r in got] == [(config.name, 99), (twin.name, 99)]
+    assert aot_check.compile_key(config) == aot_check.compile_key(twin)
+    other = dataclasses.replace(config, num_warps=8)
+    assert aot_check.compile_key(other) != aot_check.compile_key(config)
