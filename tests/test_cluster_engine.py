@@ -97,11 +97,11 @@ def test_second_process_reloads_the_first_ones_prefix_on_smollm2(redis_cluster, 
     from memos_ref.bench.cluster import SYSTEM_LINE, _prompt
     from memos_ref.model.tokenizer import ByteTokenizer
 
-    r = cross_process(redis_cluster.url, "test-xp-smol", new=2, repeat=2, model_path=str(smollm2_path))
+    r = cross_process(redis_cluster.url, "test-xp-smol", new=2, repeat=1, model_path=str(smollm2_path))
     tok = ByteTokenizer()
-    a, b = _prompt(" User A: plan a trip.", tok, 2), _prompt(" User B: summarise a paper.", tok, 2)
+    a, b = _prompt(" User A: plan a trip.", tok, 1), _prompt(" User B: summarise a paper.", tok, 1)
     shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # the common prefix, token by token
-    assert shared > len(SYSTEM_LINE) * 2
+    assert shared > len(SYSTEM_LINE)
     assert r["distinct_pids"] and r["a"]["tiered"]["reused"] == 0
     assert r["cross_process_reused_tokens"] == 16 * (shared // 16)  # every full block of the shared prefix
     assert r["prefill_tokens_saved"] == r["cross_process_reused_tokens"] and r["tokens_identical"]
