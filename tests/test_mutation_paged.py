@@ -7,9 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memos_ref.errors import ArgumentTypeError, InvalidArgumentError
-from memos_ref.paged import BlockAllocator, PagedKV, block_hashes
-from memos_ref.paged.allocator import FREED, REMOVED, BlockEvent
+from memos_ref.errors import (
+    ArgumentTypeError,
+    CapacityExceededError,
+    InvalidArgumentError,
+    InvalidBlockError,
+    ShapeError,
+)
+from memos_ref.paged import UNKNOWN_TOKEN, BlockAllocator, PagedKV, block_hashes
+from memos_ref.paged.allocator import FREED, MAX_BLOCKS, REMOVED, STORED, BlockEvent
 from memos_ref.spec import KVSpec
 
 T = 8
@@ -299,3 +305,77 @@ def test_allocate_up_to_takes_what_is_available_and_refuses_a_negative_count():
     assert sorted(got) == [0, 1, 2, 3] and alloc.num_available == 0 and alloc.num_active == 4
     with pytest.raises(InvalidArgumentError, match=r"^n: expected an integer in >= 0, got -1$"):
         alloc.allocate_up_to(-1)
+
+
+def test_cache_block_announces_what_it_stored_and_refuses_bad_arguments_naming_them():
+    """cache_block emits 'stored' with the block and its hash; a hash already indexed, or a block that already has
+    one, is not stored again (False, no event, the block is freed, not cached, at refcount 0); a non-bytes hash,
+    non-int tokens and a free block are refused, each naming what was wrong."""
+    alloc = BlockAllocator(4)
+    queue = alloc.subscribe(STORED)
+    a, b, c = alloc.allocate(3)
+    assert alloc.cache_block(a, H1, [UNKNOWN_TOKEN, 6, 7, 8])
+    assert queue.drain() == [BlockEvent(STORED, a, H1)]
+    assert alloc.tokens_of(a) == (UNKNOWN_TOKEN, 6, 7, 8)
+    assert not alloc.cache_block(b, H1, TOKENS) and not alloc.cache_block(a, H2, TOKENS)
+    assert len(queue) == 0 and alloc.hash_of(b) is None and alloc.hash_of(a) == H1
+    alloc.free(b)
+    assert alloc.num_cached == 0 and alloc.num_free == 2
+    with pytest.raises(ArgumentTypeError, match=r"^block_hash: expected bytes, got str"):
+        alloc.cache_block(c, "h", TOKENS)
+    with pytest.raises(ArgumentTypeError, match=r"^tokens: expected a sequence of int token ids, got str"):
+        alloc.cache_block(c, H2, "abcd")
+    with pytest.raises(InvalidBlockError, match=rf"^block {b} is free: only a held, written block can be cached$"):
+        alloc.cache_block(b, H2, TOKENS)
+    assert alloc.hash_of(c) is None and len(queue) == 0
+
+
+def test_cache_blocks_indexes_every_new_hash_of_the_run_and_checks_its_lengths():
+    """A run whose first hash is already indexed still indexes the blocks after it; too few token ids for the
+    blocks, or ids that are not ints, are refused naming the counts and the argument."""
+    alloc = BlockAllocator(4)
+    a, b, c = alloc.allocate(3)
+    assert alloc.cache_block(a, H1, TOKENS)
+    assert alloc.cache_blocks([b, c], [H1, H2], TOKENS * 2, 4) == 1
+    assert alloc.hash_of(b) is None and alloc.hash_of(c) == H2
+    with pytest.raises(ShapeError, match=r"^2 blocks need 2 hashes and 8 token ids, got 2 and 7$"):
+        alloc.cache_blocks([a, b], [H1, H2], list(range(7)), 4)
+    with pytest.raises(ArgumentTypeError, match=r"^token_ids: expected int token ids, got float"):
+        alloc.cache_blocks([b], [bytes(32)], [1.0, 2, 3, 4], 4)
+    assert alloc.hash_of(b) is None
+
+
+def test_grow_refuses_a_bad_count_naming_it_and_changes_nothing():
+    """grow takes a positive int (or a 0-d integer tensor); 0, a bool, a float and more than MAX_BLOCKS in all are
+    refused with the reason, and the allocator keeps its size."""
+    alloc = BlockAllocator(2)
+    assert alloc.grow(torch.tensor(1)) == range(2, 3) and alloc.num_blocks == 3
+    with pytest.raises(InvalidArgumentError, match=r"^n: expected a positive number of blocks to add, got 0$"):
+        alloc.grow(0)
+    with pytest.raises(InvalidArgumentError, match=r"^n: expected an integer in >= 1, got 0$"):
+        alloc.grow(torch.tensor(0))
+    with pytest.raises(ArgumentTypeError, match=r"^n: "):
+        alloc.grow(True)
+    room = MAX_BLOCKS - 3
+    with pytest.raises(InvalidArgumentError, match=rf"^n: expected at most {room} more blocks \(an allocator holds"):
+        alloc.grow(room + 1)
+    assert alloc.num_blocks == 3 and alloc.num_free == 3
+
+
+def test_grow_up_to_the_limit_is_allowed_and_running_out_of_memory_changes_nothing(monkeypatch):
+    """Exactly MAX_BLOCKS in all passes the count check (arrays that large cannot be built here, so the
+    bookkeeping step is stubbed); a MemoryError while building is CapacityExceededError with needed=n."""
+    alloc = BlockAllocator(2)
+    asked = []
+    monkeypatch.setattr(alloc, "_grow", lambda n: asked.append(n) or range(2, 2 + n))
+    alloc.grow(MAX_BLOCKS - 2)
+    assert asked == [MAX_BLOCKS - 2]
+
+    def out_of_memory(n):
+        raise MemoryError
+
+    monkeypatch.setattr(alloc, "_grow", out_of_memory)
+    with pytest.raises(CapacityExceededError, match=r"^could not grow the allocator by 5 blocks: out of host") as info:
+        alloc.grow(5)
+    assert info.value.needed == 5 and isinstance(info.value.__cause__, MemoryError)
+    assert alloc.num_blocks == 2
