@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 from memos_ref.errors import BackendUnavailableError, ConfigError, check_type
 from memos_ref.resilient import error_kind
 
-__all__ = ["MAX_REDIRECT_ROUNDS", "ClusterNodes", "cluster_error_kind", "startup_nodes"]
+__all__ = ["MAX_REDIRECT_ROUNDS", "ClusterNodes", "cluster_error_kind", "is_redirect", "startup_nodes"]
 
 #: Rounds of redirections one call follows (a ``MOVED`` to the new owner, which may answer ``ASK`` while the slot
 #: migrates on): a command redirected again after that is a counted failure.
