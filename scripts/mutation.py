@@ -227,18 +227,30 @@ def collect(tree: Path, module: str, wanted: set[str]) -> dict[str, dict]:
     return out
 
 
-def module_totals(functions: dict[str, dict], equivalent: list[dict], module: str) -> dict:
-    tot = {k: 0 for k in ("mutants", "killed", "survived", "no_tests", "timeout", "not_checked", "equivalent")}
+def module_totals(functions: dict[str, dict], equivalent: list[dict], module: str, by_hand: list[dict] = ()) -> dict:
+    """A module's counts. ``score``: mutmut's own verdicts, ``(killed + timeout) / judged`` with ``judged = mutants -
+    equivalent - not_checked``. ``killed_by_hand``: survivors of the recorded run that a test written afterwards
+    kills, each checked by applying the mutant by hand (``killed_by_hand`` in the record, with the test's name);
+    ``score_with_hand_kills`` counts them as killed until a mutmut re-run records them itself."""
+    keys = ("mutants", "killed", "survived", "no_tests", "timeout", "not_checked", "equivalent", "killed_by_hand")
+    tot = {k: 0 for k in keys}
     equiv = {(e["module"], e["function"], e["diff"]) for e in equivalent}
+    hand = {(e["module"], e["function"], e["diff"]) for e in by_hand}
     for name, fn in functions.items():
         for k in tot:
             tot[k] += fn.get(k, 0)
         for s in fn["survivors"]:
+            status = s["status"] if s["status"] in tot else "survived"
             if (module, name, s["diff"]) in equiv:
                 tot["equivalent"] += 1
-                tot[s["status"] if s["status"] in tot else "survived"] -= 1
+                tot[status] -= 1
+            elif (module, name, s["diff"]) in hand:
+                tot["killed_by_hand"] += 1
+                tot[status] -= 1
     judged = tot["mutants"] - tot["equivalent"] - tot["not_checked"]
     tot["score"] = round((tot["killed"] + tot["timeout"]) / judged, 4) if judged else None
+    if tot["killed_by_hand"]:
+        tot["score_with_hand_kills"] = round((tot["killed"] + tot["timeout"] + tot["killed_by_hand"]) / judged, 4)
     return tot
 
 
@@ -252,7 +264,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-children", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--list", action="store_true", help="print the functions that would be mutated, run nothing")
     ap.add_argument("--tests", action="append", help="test file globs to use instead of the area's (a quick look)")
+    ap.add_argument(
+        "--rescore",
+        action="store_true",
+        help="recompute every module's totals (after editing the equivalent or killed_by_hand lists), run nothing",
+    )
     args = ap.parse_args(argv)
+    if args.rescore:
+        with results_lock():
+            record = load_record()
+            for module, entry in record["modules"].items():
+                entry["totals"] = module_totals(
+                    entry["functions"], record["equivalent"], module, record["killed_by_hand"]
+                )
+            RESULTS.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+        return 0
 
     record = load_record()
     head = git("rev-parse", "HEAD").strip()
@@ -306,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def load_record() -> dict:
     record = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    for key, empty in (("equivalent", []), ("modules", {}), ("runs", [])):
+    for key, empty in (("equivalent", []), ("killed_by_hand", []), ("modules", {}), ("runs", [])):
         record.setdefault(key, empty)
     return record
 
@@ -330,9 +356,9 @@ def record_area(record: dict, targets: dict[str, set[str]], tree: Path, head: st
         present = set(mangled_functions(git("show", f"HEAD:{module}")))
         entry["functions"] = {n: v for n, v in entry["functions"].items() if n in present}  # gone: dropped
         entry["functions"].update(got)
-        entry["totals"] = module_totals(entry["functions"], record["equivalent"], module)
+        entry["totals"] = module_totals(entry["functions"], record["equivalent"], module, record["killed_by_hand"])
         entry["commit"] = head
-        t = module_totals(got, record["equivalent"], module)
+        t = module_totals(got, record["equivalent"], module, record["killed_by_hand"])
         run_summary.setdefault("modules", {})[module] = {k: t[k] for k in ("mutants", "killed", "survived")}
         print(f"   {module}: {entry['totals']}")
     record["runs"].append(run_summary)
