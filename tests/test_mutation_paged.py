@@ -15,7 +15,7 @@ from memos_ref.errors import (
     ShapeError,
 )
 from memos_ref.paged import UNKNOWN_TOKEN, BlockAllocator, PagedKV, block_hashes
-from memos_ref.paged.allocator import FREED, MAX_BLOCKS, REMOVED, STORED, BlockEvent
+from memos_ref.paged.allocator import CACHED, FREED, MAX_BLOCKS, REMOVED, STORED, BlockEvent
 from memos_ref.spec import KVSpec
 
 T = 8
@@ -379,3 +379,19 @@ def test_grow_up_to_the_limit_is_allowed_and_running_out_of_memory_changes_nothi
         alloc.grow(5)
     assert info.value.needed == 5 and isinstance(info.value.__cause__, MemoryError)
     assert alloc.num_blocks == 2
+
+
+def test_free_many_announces_each_cached_block_with_its_hash_and_checks_its_argument():
+    """Freeing a sequence's blocks at once emits 'cached' with the hash of each indexed block (and 'freed' for the
+    others); something that is not an iterable of ids is refused naming the argument, and bind_capacity refuses a
+    capacity that is not callable, saying what it got."""
+    alloc = BlockAllocator(4)
+    queue = alloc.subscribe([CACHED, FREED])
+    a, b = alloc.allocate(2)
+    assert alloc.cache_block(a, H1, TOKENS)
+    alloc.free_many([b, a])
+    assert queue.drain() == [BlockEvent(FREED, b), BlockEvent(CACHED, a, H1)]
+    with pytest.raises(ArgumentTypeError, match=r"^blocks: expected Iterable, got int"):
+        alloc.free_many(3)
+    with pytest.raises(ArgumentTypeError, match=r"^capacity: expected a callable returning a block count, got 7$"):
+        alloc.bind_capacity(7)
