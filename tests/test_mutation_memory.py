@@ -421,3 +421,17 @@ def test_a_freshly_built_json_text_writes_what_json_dumps_writes(value):
     for bad in (float("nan"), [float("inf")], {(1, 2): 3}):
         with pytest.raises((ValueError, TypeError)):
             fresh(bad)
+
+
+def test_the_documented_defaults_hold():
+    """A TTLStore built with no arguments keeps values 300 s and samples 16 eviction candidates (the documented
+    defaults), and a call back into the store from update()'s fn is refused with the whole explanation."""
+    store = TTLStore()
+    assert store.default_ttl == 300.0 and store.sample == 16
+    message = (
+        "the store was called from inside update()'s fn: fn must compute the new value from the current one only "
+        "(it runs under the key's lock); read other keys before calling update()"
+    )
+    with pytest.raises(StateError) as info:
+        store.update("k", lambda v: store.get("other"))
+    assert str(info.value) == message
