@@ -15,7 +15,7 @@ STAMP  := $(VENV)/.memos-ref-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup git-filter model redis cluster browser lab test lint unit notebooks check mutation demo bench readme claims book gpu-check coverage peers clean
+.PHONY: setup git-filter model redis cluster browser lab test lint unit notebooks check durations mutation demo bench readme claims book gpu-check coverage peers clean
 
 setup: $(STAMP) git-filter model
 
@@ -97,15 +97,17 @@ lint: setup
 # Tests run on every core with pytest-xdist (JOBS=0: in one process). A test file stays on one worker
 # (--dist loadfile), so its module fixtures (a built wheel, a quick benchmark) are made once; each worker starts its
 # own redis-server on a free port; the real model's one-time preparation is guarded by a file lock. Every test has
-# a timeout (pyproject.toml; a hang fails that test with a traceback). See docs/testing.md.
+# a timeout (pyproject.toml; a hang fails that test with a traceback). Files start heaviest first, by the seconds in
+# tests/durations.json (--no-loadscope-reorder keeps that order; `make durations` re-measures it). See docs/testing.md.
 JOBS  ?= auto
-XDIST := -n $(JOBS) --dist loadfile
+XDIST := -n $(JOBS) --dist loadfile --no-loadscope-reorder
+NBMAKE := --nbmake --nbmake-timeout=120
 
 unit: setup redis browser
 	$(BIN)/python -m pytest $(XDIST) --durations=30 tests
 
 notebooks: setup redis
-	$(BIN)/python -m pytest -n $(JOBS) --nbmake --nbmake-timeout=120 --durations=0 notebooks
+	$(BIN)/python -m pytest $(XDIST) $(NBMAKE) --durations=0 notebooks
 
 # The edit-test loop: lint, then the unit tests that need neither the real model nor a server and start no other
 # process (a benchmark, build, browser, notebook kernel or pytest run), each property test on at most 10 examples
@@ -119,7 +121,14 @@ check: lint
 mutation: setup
 	$(BIN)/python scripts/mutation.py $(if $(FULL),--full) $(if $(BASE),--base $(BASE)) $(foreach a,$(AREA),--area $(a))
 
-test: lint unit notebooks
+# Every test and every notebook in one pytest run: the workers share one queue, so neither half waits for the
+# other's last file. The same tests as `make unit` then `make notebooks`.
+test: lint redis browser
+	$(BIN)/python -m pytest $(XDIST) $(NBMAKE) --durations=30 tests notebooks
+
+# Re-measure each file's seconds into tests/durations.json (the scheduling order above): one full run.
+durations: setup redis browser
+	MEMOS_DURATIONS_OUT=tests/durations.json $(BIN)/python -m pytest $(XDIST) $(NBMAKE) -q tests notebooks
 
 demo: setup
 	$(BIN)/python -m memos_ref.demo

@@ -6,10 +6,23 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Triton reads this when it is imported: without a GPU, kernels run in its interpreter on CPU tensors.
+
+
+# An xdist worker (xdist sets the count before conftest loads) runs PyTorch with cores // workers CPU threads, and the
+# processes it starts (benchmarks, notebook kernels) inherit that. PyTorch's OpenMP pool defaults to one thread per
+# core in every process, and an OpenMP region waits for its slowest thread: two processes side by side on this 2-core
+# VM, each doing 3,000 small matmuls (8x256 @ 256x1024), took 2.0-3.4 s with 1 thread each and 12-27 s with 2 each
+# (load 15). tests/test_suite_config.py checks the setting.
 try:
+    _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if _WORKERS > 1:
+        for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(_var, str(max(1, (os.cpu_count() or 1) // _WORKERS)))
     import torch as _torch
 
+    if _WORKERS > 1:
+        _torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # Triton reads this when it is imported: without a GPU, kernels run in its interpreter on CPU tensors.
     if not _torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:  # pragma: no cover
@@ -254,6 +267,87 @@ def _cap_examples(item: pytest.Item) -> None:
     machine = getattr(cls, "settings", None)  # RuleBasedStateMachine.TestCase.settings
     if isinstance(machine, settings) and machine.max_examples > CHECK_MAX_EXAMPLES:
         cls.settings = settings(machine, max_examples=CHECK_MAX_EXAMPLES)
+
+
+# ---------------------------------------------------------------- scheduling (issue 29 item 5)
+# xdist hands each worker whole files (--dist loadfile, --no-loadscope-reorder keeps this order): a long file that
+# starts last leaves the other workers idle at the end. tests/durations.json holds each file's measured seconds
+# (``make durations`` records them: MEMOS_DURATIONS_OUT below), and the files run heaviest first (the
+# longest-processing-time rule); a file missing from it counts as the median file. Stale figures can only make the
+# run slower, never change a result.
+DURATIONS = Path(__file__).with_name("durations.json")
+_RECORDED: dict[str, float] = {}
+
+
+def _file_key(nodeid: str) -> str:
+    """A test file's key in durations.json: the file part of a node id (its path from the rootdir)."""
+    return nodeid.split("::", 1)[0]
+
+
+def file_weights(items: list[pytest.Item], recorded: dict[str, float]) -> dict[str, float]:
+    """Each collected file's expected seconds: its recorded figure, else the median of the recorded ones."""
+    keys = {_file_key(item.nodeid) for item in items}
+    known = sorted(v for v in recorded.values() if isinstance(v, int | float) and v >= 0)
+    fallback = known[len(known) // 2] if known else 0.0
+    return {k: float(recorded.get(k, fallback)) for k in keys}
+
+
+def heaviest_first(items: list[pytest.Item], recorded: dict[str, float]) -> list[pytest.Item]:
+    """The items regrouped by file, the files in descending expected time (ties: collection order); the order of
+    the tests inside a file is kept."""
+    weights = file_weights(items, recorded)
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(_file_key(item.nodeid), i)
+
+    def rank(item: pytest.Item) -> tuple[float, int]:
+        key = _file_key(item.nodeid)
+        return (-weights[key], first_seen[key])
+
+    return sorted(items, key=rank)  # stable: a file's own order is kept
+
+
+def _recorded_durations() -> dict[str, float]:
+    import json
+
+    try:
+        data = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data.get("files", {}) if isinstance(data, dict) else {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With MEMOS_DURATIONS_OUT set, add each phase's seconds (setup, call, teardown) to its file's total (on the
+    xdist controller, every worker's reports arrive here)."""
+    if os.environ.get("MEMOS_DURATIONS_OUT"):
+        key = _file_key(report.nodeid)
+        _RECORDED[key] = _RECORDED.get(key, 0.0) + float(report.duration)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Write the per-file totals (once, from the controller or a run without xdist) for ``make durations``."""
+    out = os.environ.get("MEMOS_DURATIONS_OUT")
+    if out and _RECORDED and not hasattr(session.config, "workerinput"):
+        import json
+        import platform
+
+        files = {k: round(v, 2) for k, v in sorted(_RECORDED.items())}
+        note = f"per-file seconds of one run (make durations) on {platform.machine()} with {os.cpu_count()} CPUs"
+        Path(out).write_text(json.dumps({"note": note, "files": files}, indent=1) + "\n")
+
+
+class _HeaviestFirst:
+    """The file order of the run (a plugin of its own: its hook must run after pytest's fixture-parameter reordering,
+    while the markers below must be set before ``-m`` deselects)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        items[:] = heaviest_first(items, _recorded_durations())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_HeaviestFirst(), "memos-heaviest-first")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -300,3 +300,77 @@ def test_make_check_caps_every_property_test_even_a_pinned_one():
     assert Machine.TestCase.settings.max_examples == conftest.CHECK_MAX_EXAMPLES
     assert Machine.TestCase.settings.stateful_step_count == 5  # only the count changes
     assert settings.get_profile("check").max_examples == conftest.CHECK_MAX_EXAMPLES
+
+
+def test_an_xdist_worker_gives_torch_cores_over_workers_threads():
+    """Inside an xdist worker (PYTEST_XDIST_WORKER_COUNT set before conftest loads), PyTorch and the processes the
+    worker starts use cores // workers CPU threads (at least 1): workers x threads never oversubscribe the cores."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    probe = "import os, conftest, torch; print(torch.get_num_threads(), os.environ['OMP_NUM_THREADS'])"
+    for workers in (2, os.cpu_count() or 1, 64):
+        env["PYTEST_XDIST_WORKER_COUNT"] = str(workers)
+        out = subprocess.run(
+            [sys.executable, "-c", probe], cwd=ROOT / "tests", env=env, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        want = max(1, (os.cpu_count() or 1) // workers)
+        assert out.stdout.split() == [str(want), str(want)]
+
+
+def test_files_run_heaviest_first_by_their_recorded_seconds():
+    """The collection is regrouped by file, heaviest recorded file first (a file missing from durations.json counts
+    as the median file; ties keep the collection order), and each file keeps its own test order — so xdist's
+    loadfile scheduler (with --no-loadscope-reorder) starts the long files first instead of last."""
+
+    def item(nodeid: str) -> SimpleNamespace:
+        return SimpleNamespace(nodeid=nodeid)
+
+    items = [
+        item("tests/test_a.py::t1"),
+        item("tests/test_b.py::t1"),
+        item("tests/test_a.py::t2"),
+        item("tests/test_c.py::t1"),
+        item("notebooks/05.ipynb::05.ipynb"),
+        item("tests/test_d.py::t1"),
+        item("tests/test_c.py::t2"),
+    ]
+    recorded = {"tests/test_a.py": 1.0, "tests/test_c.py": 90.0, "notebooks/05.ipynb": 30.0, "tests/gone.py": 5.0}
+    # median of the recorded figures [1, 5, 30, 90] is 30: test_b and test_d count as 30 and tie with the notebook
+    order = [i.nodeid for i in conftest.heaviest_first(items, recorded)]
+    assert order == [
+        "tests/test_c.py::t1",
+        "tests/test_c.py::t2",
+        "tests/test_b.py::t1",
+        "notebooks/05.ipynb::05.ipynb",
+        "tests/test_d.py::t1",
+        "tests/test_a.py::t1",
+        "tests/test_a.py::t2",
+    ]
+    # nothing recorded: the files in the order they were collected, each file's tests together
+    assert [i.nodeid for i in conftest.heaviest_first(items, {})] == [items[k].nodeid for k in (0, 2, 1, 3, 6, 4, 5)]
+    makefile = (ROOT / "Makefile").read_text()
+    assert "--no-loadscope-reorder" in makefile.split("\nXDIST", 1)[1].split("\n", 1)[0]
+
+
+def test_durations_are_recorded_per_file_for_the_scheduler(tmp_path):
+    """MEMOS_DURATIONS_OUT makes a run write each file's summed seconds (setup, call and teardown), which the next
+    run's scheduler reads: a planted file of two sleeping tests records at least their sum."""
+    (tmp_path / "test_sleepy.py").write_text(
+        "import time\n\ndef test_one():\n    time.sleep(0.3)\n\ndef test_two():\n    time.sleep(0.2)\n"
+    )
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    out = tmp_path / "durations.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")} | {"MEMOS_DURATIONS_OUT": str(out)}
+    done = subprocess.run(
+        [*PYTEST, "-q", "--rootdir", str(tmp_path), "-c", os.devnull, "test_sleepy.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    import json
+
+    files = json.loads(out.read_text())["files"]
+    assert list(files) == ["test_sleepy.py"] and 0.5 <= files["test_sleepy.py"] < 60
