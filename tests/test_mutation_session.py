@@ -227,3 +227,22 @@ def test_a_parser_error_is_quoted_at_most_200_characters(saved, monkeypatch):
     with pytest.raises(CorruptCacheError) as info:
         read_session_tensor(path.with_suffix(".safetensors"), parsed, SPEC)
     assert str(info.value).endswith("is not a readable session tensor file: " + "x" * 199 + "y")
+
+
+def test_an_older_manifest_version_is_refused_saying_to_save_again(saved):
+    """A version-1 manifest (valid otherwise, checksum recomputed) is refused naming both versions and what to do."""
+    path, manifest, _kv = saved
+    with pytest.raises(CorruptCacheError, match=r"manifest version 1 is not 2 \(earlier versions are not checksummed"
+                       r" as a whole and are refused: save the session again with this version\)"):  # fmt: skip
+        parse_manifest(_resigned(manifest, lambda m: m.update(version=1)), path, VOCAB)
+
+
+def test_the_manifest_limit_falls_back_to_the_module_default(monkeypatch):
+    """memos_ref.session.MAX_MANIFEST_BYTES is the knob; without it the limit is persist's own default."""
+    import memos_ref.session
+    import memos_ref.session.persist as persist
+
+    monkeypatch.setattr(memos_ref.session, "MAX_MANIFEST_BYTES", 1234)
+    assert persist.manifest_limit() == 1234
+    monkeypatch.delattr(memos_ref.session, "MAX_MANIFEST_BYTES")
+    assert persist.manifest_limit() == persist.MAX_MANIFEST_BYTES == 32 << 20
