@@ -435,3 +435,12 @@ def test_the_documented_defaults_hold():
     with pytest.raises(StateError) as info:
         store.update("k", lambda v: store.get("other"))
     assert str(info.value) == message
+
+
+def test_bad_limits_and_a_bad_default_ttl_are_refused_naming_them():
+    """A zero capacity and a negative default TTL are refused with messages that say which argument and why."""
+    with pytest.raises(ConfigError) as info:
+        TTLStore(max_entries=0)
+    assert str(info.value) == "capacity limits must be positive"
+    with pytest.raises(InvalidArgumentError, match=r"^default_ttl must be a finite number of seconds in \(0, "):
+        TTLStore(default_ttl=-1)
