@@ -331,9 +331,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if out and _RECORDED and not hasattr(session.config, "workerinput"):
         import json
         import platform
+        import time
 
         files = {k: round(v, 2) for k, v in sorted(_RECORDED.items())}
-        note = f"per-file seconds of one run (make durations) on {platform.machine()} with {os.cpu_count()} CPUs"
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        note = (
+            f"per-file seconds (setup + call + teardown) of one `make durations` run, {when}, {platform.machine()}, "
+            f"{os.cpu_count()} CPUs, 1-min load {os.getloadavg()[0]:.1f} at the end: only the order matters"
+        )
         Path(out).write_text(json.dumps({"note": note, "files": files}, indent=1) + "\n")
 
 
