@@ -304,6 +304,8 @@ def bench_step_graphs(device: str, *, layers: int = 32, batches: Sequence[int] =
 
 def _bench_one(device: str, batch: int, *, layers: int, context: int, kv_heads: int, group: int, head_dim: int,
                block_size: int, dtype: torch.dtype) -> dict[str, Any]:  # fmt: skip
+    from memos_kernels.timing import bench_ms  # the one timer of kernels/
+
     per = -(-context // block_size)
     gen = torch.Generator(device=device).manual_seed(batch)
     pool = torch.randn(batch * per, layers, 2, kv_heads, block_size, head_dim, device=device, dtype=dtype,
@@ -326,23 +328,11 @@ def _bench_one(device: str, batch: int, *, layers: int, context: int, kv_heads: 
         want = step(**inputs)
         got = graphs.run([pool], **inputs)
         row["max_abs_err"] = float((got.float() - want.float()).abs().max())
-        row["eager_ms"] = _ms(lambda: step(**inputs), device)
-        row["graph_ms"] = _ms(lambda: graphs.run([pool], **inputs), device)
+        row["eager_ms"] = bench_ms(lambda: step(**inputs), device)
+        row["graph_ms"] = bench_ms(lambda: graphs.run([pool], **inputs), device)
         row["speedup"] = row["eager_ms"] / max(row["graph_ms"], 1e-9)
         row.update(captures=graphs.stats.captures, replays=graphs.stats.replays)
         row["ok"] = row["max_abs_err"] <= 2e-3 and graphs.stats.captures == 1
     except Exception as exc:  # a capture refused on the device: reported, and the check fails loudly
         row.update(error=f"{type(exc).__name__}: {str(exc)[:300]}", ok=False)
     return row
-
-
-def _ms(fn: Callable[[], Any], device: str) -> float:
-    if device != "cuda":
-        import time
-
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, rep=40, return_mode="median"))

@@ -17,7 +17,7 @@ import torch
 
 from memos_ref.errors import InvalidArgumentError
 
-__all__ = ["Timing", "best_ms", "device_timings", "stopwatch", "time_ms"]
+__all__ = ["Timing", "bench_ms", "best_ms", "device_timings", "stopwatch", "time_ms"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,18 @@ def device_timings(fn: Callable[[], Any], device: torch.device | str, *, rep_ms:
         res["cudagraph_ms"] = None
         res["cudagraph_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     return res
+
+
+def bench_ms(fn: Callable[[], Any], device: torch.device | str, *, rep_ms: int = 40) -> float:
+    """Median milliseconds of ``fn()`` with ``triton.testing.do_bench`` on a GPU (no CUDA-graph variant: ``fn``
+    may replay a graph itself); on the CPU one wall-clock call."""
+    if torch.device(device).type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, rep=rep_ms, return_mode="median"))
 
 
 def best_ms(timings: dict[str, Any]) -> float:
