@@ -10,12 +10,15 @@ import torch
 from memos_ref.errors import (
     ArgumentTypeError,
     CapacityExceededError,
+    DoubleFreeError,
     InvalidArgumentError,
     InvalidBlockError,
+    RefcountUnderflowError,
     ShapeError,
 )
 from memos_ref.paged import UNKNOWN_TOKEN, BlockAllocator, PagedKV, block_hashes
 from memos_ref.paged.allocator import CACHED, FREED, MAX_BLOCKS, REMOVED, STORED, BlockEvent
+from memos_ref.paged.prefix_index import pack_ids
 from memos_ref.spec import KVSpec
 
 T = 8
@@ -395,3 +398,69 @@ def test_free_many_announces_each_cached_block_with_its_hash_and_checks_its_argu
         alloc.free_many(3)
     with pytest.raises(ArgumentTypeError, match=r"^capacity: expected a callable returning a block count, got 7$"):
         alloc.bind_capacity(7)
+
+
+def test_free_announces_cached_and_freed_blocks_and_names_a_bad_free():
+    """free() of an indexed block emits 'cached' with its hash, of a plain block 'freed'; freeing a free block or
+    a cached one (no holder) is refused naming the block and why."""
+    alloc = BlockAllocator(4)
+    queue = alloc.subscribe([CACHED, FREED])
+    a, b = alloc.allocate(2)
+    assert alloc.cache_block(a, H1, TOKENS)
+    alloc.free(a)
+    alloc.free(b)
+    assert queue.drain() == [BlockEvent(CACHED, a, H1), BlockEvent(FREED, b)]
+    with pytest.raises(DoubleFreeError, match=rf"^block {b} is already free$"):
+        alloc.free(b)
+    with pytest.raises(
+        RefcountUnderflowError, match=rf"^block {a} has refcount 0 \(cached\); it has no holder to drop$"
+    ):
+        alloc.free(a)
+
+
+@pytest.mark.parametrize(
+    ("ids", "error", "message"),
+    [
+        ([-1], InvalidBlockError, r"^block id -1 is not in \[0, 4\)$"),
+        ([4], InvalidBlockError, r"^block id 4 is not in \[0, 4\)$"),
+        ([0, True], ArgumentTypeError, r"got bool"),
+    ],
+)
+def test_free_many_refuses_an_id_outside_the_pool_or_not_an_int_and_frees_nothing(ids, error, message):
+    """Every id is checked before any block is freed: -1, num_blocks and a bool are refused, naming the id."""
+    alloc = BlockAllocator(4)
+    held = alloc.allocate(4)
+    with pytest.raises(error, match=message):
+        alloc.free_many(ids)
+    assert alloc.num_active == 4 and list(alloc.refcount) == [1, 1, 1, 1] and held == [0, 1, 2, 3]
+
+
+def test_free_many_refuses_a_free_block_or_too_many_drops_and_frees_nothing():
+    """A free block in the list, or a block listed more often than it has holders, is refused naming it, its count
+    and its state; the other blocks keep their holders."""
+    alloc = BlockAllocator(4)
+    a, b, c = alloc.allocate(3)
+    alloc.free(c)
+    with pytest.raises(DoubleFreeError, match=rf"^block {c} is already free$"):
+        alloc.free_many([a, c])
+    with pytest.raises(RefcountUnderflowError, match=rf"^block {b}: freeing 2 holder\(s\) but it has refcount 1 "
+                       r"\(state active\)$"):  # fmt: skip
+        alloc.free_many([a, b, b])
+    assert alloc.refcount[a] == 1 and alloc.refcount[b] == 1 and alloc.num_free == 2
+
+
+def test_cache_blocks_with_packed_ids_checks_their_length_refuses_free_blocks_and_announces_each():
+    """Packed ids shorter than the blocks need are refused naming both sizes; a free block in the run is refused
+    naming it (nothing is indexed); each block stored is announced with its own hash."""
+    alloc = BlockAllocator(4)
+    queue = alloc.subscribe(STORED)
+    a, b, c = alloc.allocate(3)
+    alloc.free(c)
+    packed = pack_ids(TOKENS * 2)
+    with pytest.raises(ShapeError, match=r"^2 blocks need 64 packed bytes, got 56$"):
+        alloc.cache_blocks([a, b], [H1, H2], TOKENS * 2, 4, packed=packed[:56])
+    with pytest.raises(InvalidBlockError, match=rf"^block {c} is free: only held, written blocks can be cached$"):
+        alloc.cache_blocks([a, c], [H1, H2], TOKENS * 2, 4, packed=packed)
+    assert alloc.hash_of(a) is None and len(queue) == 0
+    assert alloc.cache_blocks([a, b], [H1, H2], TOKENS * 2, 4, packed=packed) == 2
+    assert queue.drain() == [BlockEvent(STORED, a, H1), BlockEvent(STORED, b, H2)]
