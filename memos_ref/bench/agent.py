@@ -272,7 +272,7 @@ def run(quick: bool = False, progress: bool = True, model: str | None = None) ->
         raise ConfigError(f"bench agent: model must be 'shipped' or {REAL_NAME!r}, got {model!r}")
     run_real = wants_real_weights(quick, model)
     forward = load_model()  # the shipped model drives the traces
-    scale, blocks = (0.34, 2048) if quick else (1.0, 4096)
+    scale, blocks = (0.2, 2048) if quick else (1.0, 4096)
     results, summary = [], {}
     for name in tqdm(TRACES, desc="bench agent", disable=not progress):
         trace = make_trace(name, scale=scale)
