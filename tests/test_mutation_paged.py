@@ -17,7 +17,7 @@ from memos_ref.errors import (
     ShapeError,
 )
 from memos_ref.paged import UNKNOWN_TOKEN, BlockAllocator, PagedKV, block_hashes
-from memos_ref.paged.allocator import CACHED, FREED, MAX_BLOCKS, REMOVED, STORED, BlockEvent
+from memos_ref.paged.allocator import ALLOCATED, CACHED, FREED, MAX_BLOCKS, REMOVED, STORED, BlockEvent
 from memos_ref.paged.prefix_index import pack_ids
 from memos_ref.spec import KVSpec
 
@@ -464,3 +464,43 @@ def test_cache_blocks_with_packed_ids_checks_their_length_refuses_free_blocks_an
     assert alloc.hash_of(a) is None and len(queue) == 0
     assert alloc.cache_blocks([a, b], [H1, H2], TOKENS * 2, 4, packed=packed) == 2
     assert queue.drain() == [BlockEvent(STORED, a, H1), BlockEvent(STORED, b, H2)]
+
+
+def test_allocate_takes_one_block_by_default_and_refuses_a_bad_count_naming_it():
+    """allocate() takes one block; 0 takes none; a negative count, a bool or a float is refused naming n, and
+    nothing is taken. The 'allocated' event reports the count and a sane duration (a duration, not a clock)."""
+    alloc = BlockAllocator(4)
+    queue = alloc.subscribe(ALLOCATED)
+    assert len(alloc.allocate()) == 1 and alloc.allocate(0) == []
+    assert alloc.allocate(torch.tensor(2)) == [1, 2]
+    events = queue.drain()
+    assert [e.count for e in events] == [1, 0, 2] and all(0.0 <= e.seconds < 60.0 for e in events)
+    with pytest.raises(InvalidArgumentError, match=r"^n: expected an integer in >= 0, got -1$"):
+        alloc.allocate(-1)
+    for bad in (True, 1.5):
+        with pytest.raises(ArgumentTypeError, match=r"^n: "):
+            alloc.allocate(bad)
+    assert alloc.num_active == 3 and alloc.num_free == 1
+
+
+def test_a_block_id_must_be_a_plain_int_inside_the_pool():
+    """A bool, a float or an id outside [0, num_blocks) is refused naming the block argument or the range."""
+    alloc = BlockAllocator(4)
+    alloc.allocate(4)
+    for bad in (True, 1.5):
+        with pytest.raises(ArgumentTypeError, match=r"^block: expected"):
+            alloc.free(bad)
+    with pytest.raises(InvalidBlockError, match=r"^block id -1 is not in \[0, 4\)$"):
+        alloc.free(-1)
+    with pytest.raises(InvalidBlockError, match=r"^block id 4 is not in \[0, 4\)$"):
+        alloc.incref(4)
+    alloc.free(0)
+    assert alloc.num_free == 1 and list(alloc.refcount) == [0, 1, 1, 1]
+
+
+def test_token_ids_outside_int64_are_refused_naming_the_argument():
+    alloc = BlockAllocator(2)
+    [block] = alloc.allocate(1)
+    with pytest.raises(InvalidArgumentError, match=r"^tokens: token ids must fit a signed 64-bit int$"):
+        alloc.cache_block(block, H1, [2**63, 0, 0, 0])
+    assert alloc.hash_of(block) is None
