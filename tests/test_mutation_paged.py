@@ -10,9 +10,11 @@ import torch
 from memos_ref.errors import (
     ArgumentTypeError,
     CapacityExceededError,
+    ConfigError,
     DoubleFreeError,
     InvalidArgumentError,
     InvalidBlockError,
+    OutOfBlocksError,
     RefcountUnderflowError,
     ShapeError,
 )
@@ -474,7 +476,7 @@ def test_allocate_takes_one_block_by_default_and_refuses_a_bad_count_naming_it()
     assert len(alloc.allocate()) == 1 and alloc.allocate(0) == []
     assert alloc.allocate(torch.tensor(2)) == [1, 2]
     events = queue.drain()
-    assert [e.count for e in events] == [1, 0, 2] and all(0.0 <= e.seconds < 60.0 for e in events)
+    assert [e.count for e in events] == [1, 0, 2] and all(0.0 < e.seconds < 60.0 and e.block == -1 for e in events)
     with pytest.raises(InvalidArgumentError, match=r"^n: expected an integer in >= 0, got -1$"):
         alloc.allocate(-1)
     for bad in (True, 1.5):
@@ -504,3 +506,18 @@ def test_token_ids_outside_int64_are_refused_naming_the_argument():
     with pytest.raises(InvalidArgumentError, match=r"^tokens: token ids must fit a signed 64-bit int$"):
         alloc.cache_block(block, H1, [2**63, 0, 0, 0])
     assert alloc.hash_of(block) is None
+
+
+def test_an_allocator_needs_a_positive_int_size_and_reports_what_is_available():
+    """BlockAllocator(1) is the smallest; 0, a float and a bool are refused naming the value. Asking for more
+    blocks than free + cached says how many are available (cached blocks count)."""
+    assert BlockAllocator(1).num_free == 1
+    for bad in (0, 1.5, True):
+        with pytest.raises(ConfigError, match=rf"^num_blocks must be a positive int, got {bad!r}$"):
+            BlockAllocator(bad)
+    alloc = BlockAllocator(4)
+    _cached_block(alloc)
+    alloc.allocate(1)
+    with pytest.raises(OutOfBlocksError) as info:
+        alloc.allocate(4)
+    assert (info.value.needed, info.value.available) == (4, 3)
