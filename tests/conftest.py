@@ -184,6 +184,10 @@ SERVER_FIXTURES = {"redis_server", "redis_cluster"}
 LARGER_PARAMS = {"which": "shipped"}
 REAL_MODEL_CALLS = re.compile(r"\b_real_model_path\(")
 SERVER_CALLS = re.compile(r"\b(?:RedisServer|running_cluster)\(")
+# A fixture that asks for a server at run time (request.getfixturevalue), usually under one of its parameters: a test
+# with string parameters is a server test when one of them names Redis ("redis", "redis-cluster"); one without
+# parameters, when its source asks for a server fixture that way.
+SERVER_LOOKUP = re.compile(r"\bgetfixturevalue\(\s*[\"'](?:redis_server|redis_url|redis_cluster)[\"']")
 PROCESS_CALLS = re.compile(
     r"\bsubprocess\.(?:run|Popen|call|check_call|check_output)\b|\bsys\.executable\b|\bNotebookClient\b"
     r"|\brecord_notebooks\(|\bProcessPoolExecutor\b|\bmultiprocessing\b|\bos\.(?:fork|system|spawn\w*)\("
@@ -368,9 +372,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         source = _test_source(item)
         if names & REAL_MODEL_FIXTURES or path.name.startswith("test_real_") or REAL_MODEL_CALLS.search(source):
             item.add_marker(pytest.mark.real_model)
-        if names & SERVER_FIXTURES or SERVER_CALLS.search(source):
-            item.add_marker(pytest.mark.server)
         params = getattr(getattr(item, "callspec", None), "params", {})
+        named = [v for v in params.values() if isinstance(v, str)]
+        asks = any(v.lower().startswith("redis") for v in named) if named else bool(SERVER_LOOKUP.search(source))
+        if names & SERVER_FIXTURES or SERVER_CALLS.search(source) or asks:
+            item.add_marker(pytest.mark.server)
         larger = any(params.get(name) == value for name, value in LARGER_PARAMS.items())
         if path.name in SLOW_FILES or PROCESS_CALLS.search(source) or larger:
             item.add_marker(pytest.mark.slow)

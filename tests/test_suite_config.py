@@ -193,6 +193,10 @@ CHECK_EXCLUDES = {
     "tests/test_memory_backends.py::test_redis_server_helper_errors": "starts redis-server itself",
     "tests/test_bench_and_demo.py::test_other_benchmarks_quick_json_contract[agent]": "a benchmark (SLOW_FILES)",
     "tests/test_caches.py::test_hf_generate_equals_dynamic_cache[llama-shipped-concat]": "the larger model size",
+    "tests/test_memory_backends.py::test_get_never_extends_the_ttl_and_overwrite_restarts_it[redis]": (
+        "a Redis parameter (its fixture asks for redis_server at run time)"
+    ),
+    "tests/test_reliability_store.py::test_get_or_compute_rechecks_after_taking_the_lead[redis]": "the same (a helper)",
 }
 CHECK_KEEPS = (
     "tests/test_suite_config.py::test_markers_follow_fixture_use_not_file_edits",
@@ -200,6 +204,7 @@ CHECK_KEEPS = (
     "tests/test_caches.py::test_hf_generate_equals_dynamic_cache[llama-tiny-concat]",  # its tiny-model twin
     "tests/test_model.py::test_train_script_runs_end_to_end",  # trains the shipped architecture in-process
     "tests/test_readme_results.py::test_readme_agrees_with_committed_results",
+    "tests/test_memory_backends.py::test_get_never_extends_the_ttl_and_overwrite_restarts_it[memory]",
 )
 
 
