@@ -31,8 +31,9 @@ def test_loads_offline_with_auto_model(shipped_pair):
 
 def test_heldout_bits_per_byte_beats_unigram_clearly(shipped_pair):
     ours, _ = shipped_pair
-    # 32 KiB of the committed held-out text (modules never trained on), scored by the package's forward
-    bpb = bits_per_byte(ours, heldout_text(), window=512, max_bytes=32 * 1024)
+    # 8 KiB of the committed held-out text (modules never trained on), scored by the package's forward: 2.315 bits
+    # per byte, as over 32 KiB (2.319) at a quarter of the time
+    bpb = bits_per_byte(ours, heldout_text(), window=512, max_bytes=8 * 1024)
     report = training_report()
     assert bpb < 0.6 * report["unigram_bits_per_byte"], (bpb, report)
     assert abs(bpb - report["heldout_bits_per_byte"]) < 0.35  # a slice of the same text, the same model

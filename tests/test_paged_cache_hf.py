@@ -186,10 +186,10 @@ def test_from_prefix_counts_only_tokens_reused_by_every_row(shipped_pair):
 # ---------------------------------------------------------------------------------------------- lifetime (issue 13.6)
 def test_dropped_caches_free_their_blocks_so_a_request_loop_never_runs_out(shipped_pair):
     _, hf = shipped_pair
-    kv = _kv(shipped_pair[0], num_blocks=32)
-    ids = tok("def f(x):\n")  # 11 tokens + 53 new = 64 tokens = 4 blocks: 8 requests fill the pool
+    kv = _kv(shipped_pair[0], num_blocks=16)
+    ids = tok("def f(x):\n")  # 11 tokens + 53 new = 64 tokens = 4 blocks: 4 requests fill the pool
     outputs = []
-    for _ in range(12):  # a new PagedCache per request, never freed
+    for _ in range(6):  # a new PagedCache per request, never freed
         outputs.append(_greedy(hf, ids, PagedCache(kv), n=53))
     assert all(torch.equal(out, outputs[0]) for out in outputs)
     assert kv.allocator.num_active == 0 and not kv.sequences  # every dropped cache gave its blocks back

@@ -237,7 +237,7 @@ def test_engine_with_a_tier_gives_the_same_outputs(shipped):
     from memos_ref.bench.agent import replay_through_engine
     from memos_ref.tiering.simulate import interleaved_trace
 
-    trace = interleaved_trace("tool_heavy", copies=3, scale=0.25)
+    trace = interleaved_trace("tool_heavy", copies=3, scale=0.1)
     spec = shipped.kv_spec(block_size=16)
     large = replay_through_engine(trace, shipped, PagedKV(spec, 1024, fingerprint=FP))
     small_blocks = large["peak_blocks"] + 8
