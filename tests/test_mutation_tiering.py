@@ -4,13 +4,16 @@ checked only by an unrelated test file. Oracles: the byte counts computed here f
 
 from __future__ import annotations
 
+import re
+import sys
+
 import lz4.frame
 import pytest
 import zstandard
 
-from memos_ref.errors import CorruptCacheError
+from memos_ref.errors import ArgumentTypeError, BackendUnavailableError, ConfigError, CorruptCacheError
 from memos_ref.tiering.backends import DiskBackend, HostMemoryBackend
-from memos_ref.tiering.codecs import CODECS, Codec
+from memos_ref.tiering.codecs import CODECS, Codec, get_codec, shuffle, unshuffle
 
 SIZE = 4096
 RAW = bytes(range(256)) * (SIZE // 256)
@@ -95,3 +98,71 @@ def test_a_replacement_that_can_never_fit_leaves_the_old_value(tmp_path):
         assert not backend.put("k001", b"c" * 1001)
         assert backend.get("k001") == b"a" * 300, type(backend).__name__
         assert backend.nbytes == 600 == _held(backend)
+
+
+# ---------------------------------------------------- full mutmut run of tiering/codecs.py (2026-12-02, issue 30)
+
+
+@pytest.mark.parametrize(
+    ("name", "codec"),
+    [
+        ("zstd-1+shuffle", Codec("zstd", 1, True)),
+        ("zstd-5", Codec("zstd", 5)),
+        ("zstd-22+shuffle", Codec("zstd", 22, True)),
+    ],
+)
+def test_get_codec_parses_every_zstd_level_with_or_without_shuffle(name, codec):
+    assert get_codec(name) == codec and get_codec(name).name == name
+
+
+@pytest.mark.parametrize("name", ["zstd-0", "zstd-23", "zstd-x", "zstd-", "zstd-5+foo", "zstdx5", "lz4+zstd-5"])
+def test_get_codec_refuses_an_unknown_name_listing_the_known_ones(name):
+    with pytest.raises(ConfigError, match=rf"^unknown codec {re.escape(repr(name))}: expected one of \['lz4', "):
+        get_codec(name)
+
+
+def test_get_codec_refuses_a_name_that_is_not_a_string():
+    with pytest.raises(ArgumentTypeError, match=r"^name: expected str, got int"):
+        get_codec(5)
+
+
+def test_a_raw_block_of_the_wrong_size_is_refused_naming_both_sizes():
+    with pytest.raises(CorruptCacheError, match=r"^none: holds 3 bytes, expected 4$"):
+        Codec("none").decode(b"abc", 1, size=4)
+
+
+def test_a_missing_compression_library_is_unavailable_not_corrupt(monkeypatch):
+    """Without lz4 installed a compressed block is not damaged: BackendUnavailableError, naming the codec."""
+    monkeypatch.setitem(sys.modules, "lz4.frame", None)
+    with pytest.raises(BackendUnavailableError, match=r"^lz4 needs a library that is not installed: "):
+        Codec("lz4").decode(b"\x04\x22\x4d\x18", 1, size=4)
+
+
+def test_a_damaged_frame_is_refused_naming_the_library_error():
+    with pytest.raises(CorruptCacheError, match=r"^zstd-3: cannot decompress \(ZstdError: "):
+        Codec("zstd").decode(b"not a zstd frame", 1, size=10)
+
+
+def test_frames_declaring_another_size_are_refused_saying_both_sizes():
+    """lz4 and zstd frames carry their content size: one that disagrees with the block's size is refused before
+    decompressing, naming both."""
+    with pytest.raises(CorruptCacheError, match=r"^lz4: frame declares 10 bytes, expected 12$"):
+        Codec("lz4").decode(lz4.frame.compress(b"x" * 10), 1, size=12)
+    with pytest.raises(CorruptCacheError, match=r"^zstd-3: frame declares 10 bytes, expected 12$"):
+        Codec("zstd").decode(zstandard.ZstdCompressor().compress(b"x" * 10), 1, size=12)
+
+
+def test_frames_without_a_size_are_cut_at_the_block_size():
+    """A frame that does not declare its size and holds more than the block is refused at the block's size (lz4
+    saying so, zstd by its own bound of max(size, 1) bytes)."""
+    lz4_frame = lz4.frame.compress(b"x" * 20, store_size=False)
+    with pytest.raises(CorruptCacheError, match=r"^lz4: frame decompresses to more than 10 bytes \(or is truncated\)$"):
+        Codec("lz4").decode(lz4_frame, 1, size=10)
+    zstd_frame = zstandard.ZstdCompressor(write_content_size=False).compress(b"xy")
+    with pytest.raises(CorruptCacheError, match=r"^zstd-3: cannot decompress \(ZstdError: "):
+        Codec("zstd").decode(zstd_frame, 1, size=1)
+
+
+def test_shuffle_leaves_data_that_is_not_whole_elements_alone():
+    assert shuffle(b"abc", 2) == b"abc" and unshuffle(b"abc", 2) == b"abc"
+    assert shuffle(b"abcd", 2) == b"acbd" and unshuffle(b"acbd", 2) == b"abcd"
