@@ -28,6 +28,7 @@ try:
 except ImportError:  # pragma: no cover
     pass
 
+import contextlib
 import inspect
 import re
 from pathlib import Path
@@ -226,11 +227,22 @@ LONG_TESTS = {
 DEFAULT_TIMEOUT_S = 600
 
 
+_SOURCES: dict[object, str] = {}
+
+
 def _source(obj: object) -> str:
+    """``obj``'s source text ("" where there is none), read once per object (a fixture serves many tests)."""
     try:
-        return inspect.getsource(obj)  # type: ignore[arg-type]
+        return _SOURCES[obj]
+    except (KeyError, TypeError):  # TypeError: an unhashable object, read every time
+        pass
+    try:
+        text = inspect.getsource(obj)  # type: ignore[arg-type]
     except (OSError, TypeError):
-        return ""
+        text = ""
+    with contextlib.suppress(TypeError):
+        _SOURCES[obj] = text
+    return text
 
 
 _HELPERS: dict[str, dict[str, str]] = {}
@@ -251,13 +263,19 @@ def _test_source(item: pytest.Item) -> str:
     fn = getattr(item, "function", None)
     if fn is None:
         return ""
-    parts = [_source(fn)]
     fixture_defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}) or {}
-    parts += [_source(d.func) for defs in fixture_defs.values() for d in defs]
-    text = "\n".join(parts)
-    helpers = _module_helpers(inspect.getmodule(fn))
-    called = [src for name, src in helpers.items() if src not in parts and re.search(rf"\b{re.escape(name)}\(", text)]
-    return "\n".join([text, *called])
+    funcs = (fn, *(d.func for defs in fixture_defs.values() for d in defs))
+    key = tuple(id(f) for f in funcs)  # the parametrized copies of a test share it
+    if key not in _TEST_SOURCES:
+        parts = [_source(f) for f in funcs]
+        text = "\n".join(parts)
+        helpers = _module_helpers(inspect.getmodule(fn))
+        called = [s for name, s in helpers.items() if s not in parts and re.search(rf"\b{re.escape(name)}\(", text)]
+        _TEST_SOURCES[key] = "\n".join([text, *called])
+    return _TEST_SOURCES[key]
+
+
+_TEST_SOURCES: dict[tuple[int, ...], str] = {}
 
 
 def _cap_examples(item: pytest.Item) -> None:
