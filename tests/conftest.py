@@ -136,6 +136,19 @@ def redis_server():
         server.stop()
 
 
+def kernel_modules(*names: str) -> tuple:
+    """``memos_kernels.<name>`` for each name, imported at a test file's top. Without Triton the whole file skips with
+    the install command; in CI (Triton is part of the dev install) the ImportError is raised instead."""
+    import importlib
+
+    try:
+        return tuple(importlib.import_module(f"memos_kernels.{name}") for name in names)
+    except ImportError:  # pragma: no cover - triton is part of the dev install
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("triton is not installed (pip install 'memos-ref[kernels]')", allow_module_level=True)
+
+
 def _real_model_path():
     """The converted SmolLM2-135M-Instruct folder, or a skip (a failure in CI) saying what to run."""
     from memos_ref.errors import ModelUnavailableError

@@ -7,16 +7,12 @@ import os
 
 import pytest
 import torch
-
-try:
-    from memos_kernels import triton_paged as tk
-except ImportError:  # pragma: no cover - triton is part of the dev install
-    if os.environ.get("CI"):
-        raise
-    pytest.skip("triton is not installed (pip install 'memos-ref[kernels]')", allow_module_level=True)
+from conftest import kernel_modules
 
 from memos_ref.attention import gather_kv, paged_attention
 from memos_ref.errors import ConfigError, DTypeError, InvalidArgumentError, ShapeError
+
+(tk,) = kernel_modules("triton_paged")  # the whole file skips without Triton (raises in CI)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNEL_MODE = "triton" if DEVICE == "cuda" else "interpret"  # never interpret once Triton is imported compiled

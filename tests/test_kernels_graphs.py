@@ -5,20 +5,14 @@ decode step (``attention_step``: every layer's write and decode) through the gra
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-try:
-    from memos_kernels import decode_graphs as dg
-except ImportError:  # pragma: no cover - triton is part of the dev install
-    if os.environ.get("CI"):
-        raise
-    pytest.skip("triton is not installed (pip install 'memos-ref[kernels]')", allow_module_level=True)
+from conftest import kernel_modules
 
 from memos_ref.attention_reference import paged_attention
 from memos_ref.errors import InvalidArgumentError, ShapeError
+
+(dg,) = kernel_modules("decode_graphs")  # the whole file skips without Triton (raises in CI)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -13,17 +13,13 @@ import os
 
 import pytest
 import torch
-
-try:
-    from memos_kernels import kivi_decode as kd
-    from memos_kernels import paged_decode as pd
-    from memos_kernels import write_kv as wk
-except ImportError:  # pragma: no cover - triton is part of the dev install
-    if os.environ.get("CI"):
-        raise
-    pytest.skip("triton is not installed (pip install 'memos-ref[kernels]')", allow_module_level=True)
+from conftest import kernel_modules
 
 from memos_ref.errors import DeviceError
+
+kd, pd, wk = kernel_modules(
+    "kivi_decode", "paged_decode", "write_kv"
+)  # the whole file skips without Triton (raises in CI)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FULL = os.environ.get("MEMOS_REF_FULL_KERNELS") == "1"

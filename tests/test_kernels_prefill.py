@@ -7,18 +7,13 @@ head, group 2 — the planner's fp32 launch is a 16-token tile and 16 query posi
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
+from conftest import kernel_modules
 
-try:
-    from memos_kernels import paged_decode as pd
-    from memos_kernels import paged_prefill as pp
-except ImportError:  # pragma: no cover - triton is part of the dev install
-    if os.environ.get("CI"):
-        raise
-    pytest.skip("triton is not installed (pip install 'memos-ref[kernels]')", allow_module_level=True)
+pd, pp = kernel_modules("paged_decode", "paged_prefill")  # the whole file skips without Triton (raises in CI)
+
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 interpreted = pytest.mark.skipif(DEVICE != "cpu", reason="counts the interpreter's calls of the jitted helpers")

@@ -5,20 +5,13 @@ and call counts of the planning functions."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-try:
-    from memos_kernels import decode_step as ds
-    from memos_kernels import paged_decode as pd
-except ImportError:  # pragma: no cover - triton is part of the dev install
-    if os.environ.get("CI"):
-        raise
-    pytest.skip("triton is not installed (pip install 'memos-ref[kernels]')", allow_module_level=True)
+from conftest import kernel_modules
 
 from memos_ref.errors import InvalidBlockError, ShapeError
+
+ds, pd = kernel_modules("decode_step", "paged_decode")  # the whole file skips without Triton (raises in CI)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAYERS, H, GROUP, T, D = 3, 2, 2, 8, 16
