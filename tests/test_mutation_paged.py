@@ -521,3 +521,24 @@ def test_an_allocator_needs_a_positive_int_size_and_reports_what_is_available():
     with pytest.raises(OutOfBlocksError) as info:
         alloc.allocate(4)
     assert (info.value.needed, info.value.available) == (4, 3)
+
+
+def test_a_new_free_list_is_linked_both_ways():
+    """A fresh pool's free list is a consistent doubly linked list: walking it forward gives the blocks in id
+    order, and each block's back link names the one before it (the sentinel for the first), so a block can be
+    unlinked from anywhere in the list, not only from its front; the link arrays hold the blocks and two sentinels."""
+    from memos_ref.paged.free_list import FreeLists
+
+    for n in (0, 1, 2, 5):
+        lists = FreeLists(n)
+        order = list(lists.free)
+        assert order == list(range(n))
+        sentinel = lists.free.sentinel
+        assert [lists.prev[b] for b in order] == [sentinel, *order][:n]
+        assert lists.prev[sentinel] == (order[-1] if order else sentinel)
+        assert len(lists.prev) == len(lists.next) == n + 2
+        if n >= 3:  # unlinking a middle block keeps the rest linked both ways
+            lists.free.unlink(1)
+            rest = list(lists.free)
+            assert rest == [b for b in range(n) if b != 1]
+            assert [lists.prev[b] for b in rest] == [sentinel, *rest[:-1]]
