@@ -320,11 +320,16 @@ def _file_key(nodeid: str) -> str:
 
 
 def file_weights(items: list[pytest.Item], recorded: dict[str, float]) -> dict[str, float]:
-    """Each collected file's expected seconds: its recorded figure, else the median of the recorded ones."""
+    """Each collected file's expected seconds: its recorded figure, else (missing, or not a finite number >= 0 in a
+    hand-edited file) the median of the valid recorded ones."""
+
+    def valid(v: object) -> bool:
+        return type(v) in (int, float) and 0 <= v < float("inf")  # bool is not a duration; NaN fails too
+
     keys = {_file_key(item.nodeid) for item in items}
-    known = sorted(v for v in recorded.values() if isinstance(v, int | float) and v >= 0)
+    known = sorted(float(v) for v in recorded.values() if valid(v))
     fallback = known[len(known) // 2] if known else 0.0
-    return {k: float(recorded.get(k, fallback)) for k in keys}
+    return {k: float(recorded[k]) if valid(recorded.get(k)) else fallback for k in keys}
 
 
 def heaviest_first(items: list[pytest.Item], recorded: dict[str, float]) -> list[pytest.Item]:

@@ -353,6 +353,10 @@ def test_files_run_heaviest_first_by_their_recorded_seconds():
     ]
     # nothing recorded: the files in the order they were collected, each file's tests together
     assert [i.nodeid for i in conftest.heaviest_first(items, {})] == [items[k].nodeid for k in (0, 2, 1, 3, 6, 4, 5)]
+    # a hand-edited file with junk figures: those files count as the median of the valid ones (30), nothing raises
+    junk = {**recorded, "tests/test_a.py": "slow", "tests/test_b.py": -1, "tests/test_d.py": float("nan")}
+    weights = conftest.file_weights(items, junk)
+    assert weights["tests/test_a.py"] == weights["tests/test_b.py"] == weights["tests/test_d.py"] == 30.0
     makefile = (ROOT / "Makefile").read_text()
     assert "--no-loadscope-reorder" in makefile.split("\nXDIST", 1)[1].split("\n", 1)[0]
 
