@@ -354,7 +354,8 @@ def _recorded_durations() -> dict[str, float]:
         data = json.loads(DURATIONS.read_text())
     except (OSError, ValueError):
         return {}
-    return data.get("files", {}) if isinstance(data, dict) else {}
+    files = data.get("files") if isinstance(data, dict) else None
+    return files if isinstance(files, dict) else {}  # a file of another shape: collection order
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
