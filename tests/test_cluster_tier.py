@@ -275,6 +275,25 @@ def test_an_untrusted_usage_counter_refuses_every_write(redis_cluster):
     b.clear()
 
 
+def wait_for_owner(cluster, slots: set[int], port: int, timeout: float = 10.0) -> None:
+    """Wait until every live node's ``CLUSTER SLOTS`` names ``port`` as the owner of each of ``slots``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        views = {}
+        for p in cluster.roles():  # every live node, masters and replicas
+            owners = {
+                int(master[1])
+                for lo, hi, master, *_ in node(cluster, p).cluster("slots")
+                for s in slots
+                if lo <= s <= hi
+            }
+            views[p] = owners
+        if all(v == {port} for v in views.values()):
+            return
+        assert time.monotonic() < deadline, f"the nodes still disagree on who owns {sorted(slots)}: {views}"
+        time.sleep(0.05)
+
+
 class RoundTrips:
     """Counts round trips per node port at the socket (every packed send of a connection: one command, or one
     whole pipeline), independently of the backend's own counts."""
@@ -330,6 +349,9 @@ def test_redirected_reads_are_batched_per_node(redis_cluster, monkeypatch):
     for port in redis_cluster.master_ports():
         for slot in set(slots.values()):
             node(redis_cluster, port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    # the replicas learn the new owner by gossip: wait (bounded) until every node says so, since the client re-reads
+    # its slot map from a node picked at random, and a replica not yet told would hand it the old map again
+    wait_for_owner(redis_cluster, set(slots.values()), dst_port)
     trips.window()
     assert b.get_many(items) == items  # the client's slot map is stale: MOVED for value and metadata, followed
     moved = trips.window()
