@@ -183,6 +183,29 @@ class StepBatch:
         if self.resumed or all(self.written):
             self.finish()
 
+    def mark_written_by_kernel(self, layers: Sequence[int] | None = None) -> None:
+        """Count ``layers`` (default: every layer) as written this step when their K/V were stored outside
+        :meth:`write` — by kernels replayed from a CUDA graph (:mod:`memos_ref.decode_graph`). The same checks as
+        :meth:`write` (each layer once per step, rows unchanged since the step was prepared), for every layer before
+        any is counted (all or none), then the same bookkeeping: each row's ``layer_tokens`` and, once every layer
+        has written, :meth:`finish`."""
+        n = len(self.written)
+        todo = list(range(n)) if layers is None else [check_layer_index(layer, n) for layer in layers]
+        if len(set(todo)) != len(todo):
+            raise StateError(f"layers {todo}: a layer is written once per step")
+        for layer in todo:
+            if self.written[layer]:
+                raise StateError(f"layer {layer} already wrote this step")
+            for seq, start in zip(self.sequences, self.starts):
+                if seq.freed or seq.layer_tokens[layer] != start:
+                    raise StateError(f"sequence {seq.seq_id} changed since this step was prepared")
+        for layer in todo:
+            self.written[layer] = True
+            for seq, stop in zip(self.sequences, self.lens):
+                seq.layer_tokens[layer] = stop
+        if todo and (self.resumed or all(self.written)):
+            self.finish()
+
     def finish(self) -> None:
         """Every layer wrote the step: register the rows' full blocks for prefix reuse (and let a quantized pool
         seal what left its residual window)."""
