@@ -61,7 +61,7 @@ from memos_ref.paged.sequence import SequenceCache
 from memos_ref.paged.step import StepBatch, rollback
 from memos_ref.paged.store import PagedKV
 
-__all__ = ["GraphedDecoder", "bench_forward_graphs", "main"]
+__all__ = ["GraphedDecoder", "bench_forward_graphs", "check_serves", "main"]
 
 
 def _kernels() -> Any:
@@ -256,6 +256,19 @@ class GraphedDecoder:
         for layer in model.model.layers:
             x = layer(x, cos, sin, None, attend, True)  # paged: the layer calls attend.attend(q, k, v, layer)
         return model.lm_head(model.model.norm(x))[:, 0]  # [B, V]
+
+
+def check_serves(decoder: object, model: object, kv: object) -> GraphedDecoder:
+    """``decoder`` as a :class:`GraphedDecoder` over exactly ``model`` and ``kv`` (what an engine serving them may
+    replay): :class:`~memos_ref.errors.ArgumentTypeError` for anything else, :class:`ConfigError` when it was built
+    over another model or memory (its graphs would read other weights or another pool)."""
+    check_type("decode_graphs", decoder, GraphedDecoder)
+    assert isinstance(decoder, GraphedDecoder)
+    if decoder.model is not model or decoder.kv is not kv:
+        which = "model" if decoder.model is not model else "PagedKV"
+        raise ConfigError(f"decode_graphs: expected a GraphedDecoder over this engine's model and PagedKV, got one "
+                          f"over another {which}")  # fmt: skip
+    return decoder
 
 
 # ---------------------------------------------------------------------------------------------- benchmark

@@ -46,6 +46,7 @@ from memos_ref.paged.step import rollback as _rollback
 from memos_ref.paged.store import PagedKV
 
 if TYPE_CHECKING:  # imported when an Engine is built: transformers' import is not paid by `import memos_ref.engine`
+    from memos_ref.decode_graph import GraphedDecoder
     from memos_ref.hf import PagedCache
 
 __all__ = ["GREEDY_TEMPERATURE", "Engine", "Request", "RequestStats"]
@@ -144,9 +145,12 @@ class Engine:
         max_batch: most requests decoded together.
         publish_to: the name of a tier of the attached tier manager's store to write each newly prefilled full
             block to (None: blocks reach the tiers only when evicted or swapped out).
+        decode_graphs: a :class:`~memos_ref.decode_graph.GraphedDecoder` over ``model`` and ``kv``: decode steps it
+            supports replay its CUDA graphs, the others run the eager forward (the same tokens either way).
     """
 
-    def __init__(self, model: Any, kv: PagedKV, max_batch: int = 16, *, publish_to: str | None = None) -> None:
+    def __init__(self, model: Any, kv: PagedKV, max_batch: int = 16, *, publish_to: str | None = None,
+                 decode_graphs: GraphedDecoder | None = None) -> None:  # fmt: skip
         if not callable(model) or not isinstance(getattr(getattr(model, "config", None), "vocab_size", None), int):
             raise ArgumentTypeError(
                 f"model: expected the package's LlamaForward (memos_ref.model.load_model()), got {type(model).__name__}"
@@ -155,7 +159,11 @@ class Engine:
         check_index("max_batch", max_batch, lo=1)
         check_type("publish_to", publish_to, (str, type(None)))
         self.model, self.kv, self.max_batch = model, kv, max_batch
-        self.publish_to = publish_to
+        self.publish_to, self.decode_graphs = publish_to, decode_graphs
+        if decode_graphs is not None:
+            from memos_ref.decode_graph import check_serves
+
+            check_serves(decode_graphs, model, kv)
         #: read_ahead_blocks / published_blocks / publish_dropped / tier_errors: what the engine asked of tiers
         self.tier_counts: Counter[str] = Counter()
         self.vocab_size: int = model.config.vocab_size
@@ -425,9 +433,12 @@ class Engine:
         """One batched decode step: every row gets its last token; returns the logits ``[B, 1, V]``."""
         last = torch.tensor([[req.output[-1]] for req, _ in batch])  # [B, 1]
         positions = torch.tensor([[seq.num_tokens] for _, seq in batch])  # each row at its own position
-        started = time.perf_counter()
+        started, graphs, seqs = time.perf_counter(), self.decode_graphs, [seq for _, seq in batch]
         with torch.inference_mode():
-            logits = self.model(last, self._rows([seq for _, seq in batch]), position_ids=positions)
+            if graphs is not None and graphs.supports(seqs):  # the step replayed from its bucket's CUDA graph
+                logits = graphs.step(seqs, [req.output[-1] for req, _ in batch])[:, None]
+            else:
+                logits = self.model(last, self._rows(seqs), position_ids=positions)
         for _, seq in batch:
             if not seq.caught_up:  # a model that skipped a layer must not leave a half-written row behind
                 raise StateError(f"sequence {seq.seq_id} was not written in every layer by the decode step")
