@@ -26,8 +26,13 @@ replays); with ``enabled=False`` or a batch past the largest bucket it runs the 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -45,6 +50,7 @@ __all__ = [
     "bench_step_graphs",
     "bucket_for",
     "cuda_capture",
+    "forward_graph_rows",
     "rerun_capture",
 ]
 
@@ -336,3 +342,32 @@ def _bench_one(device: str, batch: int, *, layers: int, context: int, kv_heads: 
     except Exception as exc:  # a capture refused on the device: reported, and the check fails loudly
         row.update(error=f"{type(exc).__name__}: {str(exc)[:300]}", ok=False)
     return row
+
+
+def forward_graph_rows(dry: bool, seconds: float) -> list[dict[str, Any]]:
+    """The device check's ``decode_forward_graph`` rows: the whole package forward's decode step eager beside its
+    CUDA-graph replay (``memos_ref.decode_graph.GraphedDecoder``: embedding, every layer's matmuls, writes and
+    attention, LM head). That is a memos_ref module and this package imports nothing of memos_ref but its errors,
+    so it runs as ``python -m memos_ref.decode_graph`` in a child process, killed after ``seconds``; each row as
+    the child printed it (one per batch, as measured), or one naming the child's failure."""
+    cmd = [sys.executable, "-m", "memos_ref.decode_graph", *(["--dry-run"] if dry else [])]
+    env = {**os.environ, "MEMOS_REF_KERNELS": "interpret" if dry else "triton"}
+    if seconds < 5:
+        return [{"row": "decode_forward_graph", "error": f"no time left in the bench phase ({seconds:.0f} s)",
+                 "ok": False}]  # fmt: skip
+    try:
+        root = Path(__file__).resolve().parent.parent  # the checkout (the device check puts it on PYTHONPATH)
+        done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=seconds)
+        out, err, rc = done.stdout, done.stderr, done.returncode
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err, rc = f"timed out after {seconds:.0f} s", 124
+    rows = []
+    for line in out.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a library's own print
+    if rc and not any(not r.get("ok", False) for r in rows):  # the child failed without a row saying why
+        rows.append({"row": "decode_forward_graph", "rc": rc, "error": err[-500:], "ok": False})
+    return rows

@@ -13,8 +13,9 @@ the run):
 4. ``bench`` — the host time per layer before the first launch, a device-to-device copy, then decode at 8k
    context (batch 1, 8, 64) and a prefill chunk, each timed with ``do_bench`` and ``do_bench_cudagraph``, with
    GB/s (TFLOP/s) and the fraction of the measured copy, then a 32-layer decode step (every layer's write and
-   decode) eager beside its CUDA-graph replay (:mod:`memos_kernels.decode_graphs`, batch 1 and 8), every row
-   appended to ``bench.jsonl`` as measured.
+   decode) eager beside its CUDA-graph replay (:mod:`memos_kernels.decode_graphs`, batch 1 and 8), then the
+   package forward's whole decode step eager beside ``memos_ref.decode_graph.GraphedDecoder``'s replay (a child
+   process, ``forward_graph_rows``), every row appended to ``bench.jsonl`` as measured.
 
 The whole output is one JSON (stdout and ``DIR/gpu_check.json``); the exit status is non-zero on any wrong
 result, failed test, phase error or timeout. ``--dry-run`` runs the same phases in Triton's interpreter on the
@@ -52,7 +53,8 @@ GOALS = {
 }
 TEST_FILES = ["tests/test_kernels.py", "tests/test_kernels_matrix.py", "tests/test_kernel_bounds.py",
               "tests/test_kernels_layout.py", "tests/test_kernel_path.py", "tests/test_cuda_kernel.py",
-              "tests/test_kernels_prefill.py", "tests/test_kernels_graphs.py"]  # fmt: skip
+              "tests/test_kernels_prefill.py", "tests/test_kernels_graphs.py",
+              "tests/test_decode_graph.py"]  # fmt: skip
 #: Left to CI: the ahead-of-time register check compiles the launch planner's set under CI's Triton and the
 #: device's 3.6 (tests/test_kernels_triton36.py) without a GPU; here it would spend the tests phase compiling.
 NOT_ON_DEVICE = "not compiles_for_a_real_gpu"
@@ -311,8 +313,9 @@ def phase_bench(out: Path, dry: bool) -> int:
     measured; a decode or prefill row whose output is wrong fails the phase."""
     import torch
     from memos_kernels import paged_decode, paged_prefill
-    from memos_kernels.timing import best_ms, device_timings  # torch: imported by the phases only
+    from memos_kernels.timing import best_ms, device_timings, stopwatch  # torch: imported by the phases only
 
+    started = stopwatch()
     path = out / "bench.jsonl"
     _append(path, {"row": "host", **host_us_per_layer(50 if dry else 300)})
     device = "cpu" if dry else "cuda"
@@ -371,6 +374,12 @@ def phase_bench(out: Path, dry: bool) -> int:
     shape = {k: s[k] for k in ("kv_heads", "group", "head_dim", "block_size", "dtype")}
     for row in bench_step_graphs(device, **shape, **(dict(layers=2, batches=(1, 2), context=64) if dry else {})):
         bad += not row["ok"]
+        _append(path, row)
+    from memos_kernels.decode_graphs import forward_graph_rows  # the whole forward's step, in a child process
+
+    budget = float(os.environ.get("GPU_CHECK_TESTS_S", (DRY_BUDGET_S if dry else BUDGET_S)["bench"]))
+    for row in forward_graph_rows(dry, budget - (stopwatch() - started) - 5):
+        bad += not row.get("ok", False)
         _append(path, row)
     return 1 if bad else 0
 

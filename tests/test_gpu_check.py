@@ -59,9 +59,12 @@ def test_the_dry_run_passes_every_phase_within_its_budget(tmp_path):
     groups = report["tests"]["groups"]
     assert len(groups) >= 2 and all(g["ok"] and g["tests"] >= 1 for g in groups)  # parallel pytest processes
     rows = {r["row"] for r in report["bench"]}
-    assert rows == {"host", "copy", "decode", "prefill", "decode_step_graph"}
+    assert rows == {"host", "copy", "decode", "prefill", "decode_step_graph", "decode_forward_graph"}
     graphed = [r for r in report["bench"] if r["row"] == "decode_step_graph"]  # the CUDA-graph bookkeeping, rerun
     assert [r["batch"] for r in graphed] == [1, 2] and all(r["captures"] == 1 and r["ok"] for r in graphed)
+    forward = [r for r in report["bench"] if r["row"] == "decode_forward_graph"]  # the whole forward, graphed
+    assert [r["batch"] for r in forward] == [1, 2] and all(r["ok"] and r["captures"] == 1 for r in forward)
+    assert all(r["max_abs_err"] <= r["tolerance"] and r["eager"] == "PagedCache" for r in forward)
     decode = [r for r in report["bench"] if r["row"] == "decode"]
     assert all("do_bench_ms" in r and "cudagraph_ms" in r and r["copy_fraction"] > 0 for r in decode)
     assert set(report["goals"]) == {"decode_8k_copy_fraction_batch_ge_8", "decode_8k_copy_fraction_batch_1",

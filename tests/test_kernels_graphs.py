@@ -174,3 +174,41 @@ def test_the_decode_step_through_the_graphs_equals_the_reference(replays):
 @pytest.mark.skipif(DEVICE != "cuda", reason="a real CUDA graph needs a GPU (the bookkeeping is tested above)")
 def test_a_real_cuda_graph_replays_the_decode_step():
     run_steps(None, 3)
+
+
+def test_forward_graph_rows_keep_what_the_child_measured_and_name_its_failure(monkeypatch):
+    """The device check's ``decode_forward_graph`` rows come from a child process (``python -m
+    memos_ref.decode_graph``): each JSON line it printed is a row; a child that exits non-zero (or is killed at its
+    time limit) without a failing row of its own adds one naming the failure; no time left runs nothing."""
+    import subprocess
+
+    ok_row = '{"row": "decode_forward_graph", "batch": 1, "ok": true}'
+    calls = []
+
+    def finished(rc, stdout, stderr=""):
+        def run(cmd, **kw):
+            calls.append((cmd, kw["timeout"], kw["env"]["MEMOS_REF_KERNELS"]))
+            return subprocess.CompletedProcess(cmd, rc, stdout, stderr)
+
+        return run
+
+    monkeypatch.setattr(subprocess, "run", finished(0, f"a library's print\n{ok_row}\n"))
+    assert dg.forward_graph_rows(True, 30) == [{"row": "decode_forward_graph", "batch": 1, "ok": True}]
+    assert calls[-1][0][-2:] == ["memos_ref.decode_graph", "--dry-run"] and calls[-1][1:] == (30, "interpret")
+    monkeypatch.setattr(subprocess, "run", finished(1, ok_row + "\n", "Traceback ... CUDA error"))
+    rows = dg.forward_graph_rows(False, 30)
+    assert rows[0]["ok"] and rows[1] == {"row": "decode_forward_graph", "rc": 1, "error": "Traceback ... CUDA error",
+                                         "ok": False}  # fmt: skip
+    assert calls[-1][2] == "triton" and "--dry-run" not in calls[-1][0]
+
+    def killed(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"], output=(ok_row + "\n").encode())
+
+    monkeypatch.setattr(subprocess, "run", killed)
+    rows = dg.forward_graph_rows(False, 12)
+    assert rows[0]["ok"] and not rows[1]["ok"] and rows[1]["error"] == "timed out after 12 s" and rows[1]["rc"] == 124
+    n = len(calls)
+    assert dg.forward_graph_rows(False, 4) == [
+        {"row": "decode_forward_graph", "error": "no time left in the bench phase (4 s)", "ok": False}
+    ]
+    assert len(calls) == n
