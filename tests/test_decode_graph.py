@@ -364,3 +364,40 @@ def test_the_captured_forward_never_syncs_the_host(dg, model):
             decoder.graphs.run([kv.pool.segments[0]], **decoder.graphs.static_inputs(1))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_step_function_launches_unvalidated_kernels_and_reads_no_value(dg, model, interpret):
+    """``GraphedDecoder.forward`` (what is captured): one ``write_kv`` and one ``paged_decode_attention`` per layer,
+    unvalidated, planned for the table's capacity (W × T), and no Python value read from any tensor — a read
+    (``item``, ``int``, ``bool``, ``tolist``) would synchronize the host inside the graph."""
+    from memos_kernels import triton_paged
+
+    calls = []
+    for name in ("write_kv", "paged_decode_attention"):
+        real = getattr(triton_paged, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append((_name, kwargs.get("validate"), kwargs.get("max_seq_len")))
+            return _real(*args, **kwargs)
+
+        interpret.setattr(triton_paged, name, spy)
+    kv = new_kv(model)
+    decoder = dg[1].GraphedDecoder(model, kv, max_context=20, enabled=False)  # the step function, uncaptured
+    rows = rows_of(kv, [5, 9])
+    batch = StepBatch.reserve(rows, 1)
+    tables = torch.full((2, decoder.width), -1, device=DEVICE)  # as the bucket's buffer holds them: W columns
+    tables[:, : batch.block_tables.shape[1]] = batch.block_tables
+    ids = torch.tensor([1, 2], device=DEVICE)
+    inputs = dict(input_ids=ids, positions=batch.seq_lens - 1, slot_mapping=batch.slot_mapping, block_tables=tables,
+                  seq_lens=batch.seq_lens)  # fmt: skip
+
+    def read(*args, **kwargs):
+        raise AssertionError("a Python value was read from a tensor inside the step")
+
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+        for name in ("item", "tolist", "__int__", "__bool__", "__float__", "__index__"):
+            mp.setattr(torch.Tensor, name, read)
+        logits = decoder.forward(**inputs)
+    assert logits.shape == (2, CFG["vocab_size"]) and bool(torch.isfinite(logits).all())
+    capacity = 3 * T  # max_context 20: 3 blocks of 8 in every table
+    assert calls == [("write_kv", False, None), ("paged_decode_attention", False, capacity)] * CFG["num_layers"]
