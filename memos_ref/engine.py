@@ -207,7 +207,7 @@ class Engine:
         if request.temperature < GREEDY_TEMPERATURE:
             return int(logits.argmax())
         scaled = (logits.float() - logits.float().max()) / request.temperature  # max 0: no overflow
-        probs = torch.softmax(scaled, dim=-1)
+        probs = torch.softmax(scaled, dim=-1).cpu()  # the request's generator is a CPU one, on every device
         return int(torch.multinomial(probs, 1, generator=request._generator))
 
     def _emit(self, request: Request, seq: SequenceCache, token: int) -> None:
@@ -295,9 +295,11 @@ class Engine:
     def _prefill(self, seq: SequenceCache, ids: list[int]) -> tuple[torch.Tensor, int]:
         """Compute the tokens of ``ids`` past ``seq``'s cached prefix; returns the logits and the reused count."""
         reused = seq.num_tokens
-        rest = torch.tensor([ids[reused:]])
+        device = self.kv.pool.device  # the ids go where the pool (and the model with it) lives
+        rest = torch.tensor([ids[reused:]], device=device)
+        positions = torch.arange(reused, len(ids), device=device)[None]
         with torch.inference_mode():
-            logits = self.model(rest, self._rows([seq]), position_ids=torch.arange(reused, len(ids))[None])
+            logits = self.model(rest, self._rows([seq]), position_ids=positions)
         seq.set_token_ids(ids[reused:], start=reused)  # the reused prefix's ids are already recorded
         return logits, reused
 
@@ -431,8 +433,9 @@ class Engine:
 
     def _decode(self, batch: list[tuple[Request, SequenceCache]]) -> tuple[torch.Tensor, float]:
         """One batched decode step: every row gets its last token; returns the logits ``[B, 1, V]``."""
-        last = torch.tensor([[req.output[-1]] for req, _ in batch])  # [B, 1]
-        positions = torch.tensor([[seq.num_tokens] for _, seq in batch])  # each row at its own position
+        device = self.kv.pool.device
+        last = torch.tensor([[req.output[-1]] for req, _ in batch], device=device)  # [B, 1]
+        positions = torch.tensor([[seq.num_tokens] for _, seq in batch], device=device)  # each at its own position
         started, graphs, seqs = time.perf_counter(), self.decode_graphs, [seq for _, seq in batch]
         with torch.inference_mode():
             if graphs is not None and graphs.supports(seqs):  # the step replayed from its bucket's CUDA graph

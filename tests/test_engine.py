@@ -11,6 +11,7 @@ from memos_ref.engine import Engine, Request
 from memos_ref.errors import InvalidArgumentError
 from memos_ref.model.tokenizer import ByteTokenizer
 from memos_ref.paged import PagedKV
+from memos_ref.spec import KVSpec
 
 tok = ByteTokenizer()
 SYSTEM = "# A Python agent. Tools: read_file, write_file.\nimport os\nimport sys\n\n"
@@ -194,3 +195,34 @@ def test_importing_the_engine_does_not_import_transformers():
     code = "import sys, memos_ref.engine; print('transformers' in sys.modules, 'memos_ref.hf' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert done.stdout.split() == ["False", "False"]
+
+
+class _DeviceSpy:
+    """A model that records where its inputs live, stores nothing (the pool is on ``meta``: no data) and counts
+    every layer as written, so the engine's bookkeeping runs; its logits (on the CPU) always prefer token 7."""
+
+    def __init__(self, vocab: int, layers: int) -> None:
+        self.config = type("Config", (), {"vocab_size": vocab, "num_hidden_layers": layers})()
+        self.seen: list[tuple[str, torch.device, torch.device]] = []
+
+    def __call__(self, input_ids, cache, *, position_ids):
+        self.seen.append(("prefill" if input_ids.shape[1] > 1 else "decode", input_ids.device, position_ids.device))
+        cache.prepare_step(*input_ids.shape).mark_written_by_kernel()
+        logits = torch.zeros(*input_ids.shape, self.config.vocab_size)
+        logits[..., 7] = 1.0
+        return logits
+
+
+def test_the_engine_hands_the_model_ids_and_positions_on_the_pools_device():
+    """Token ids and positions of prefill and decode steps are made on the pool's device (a GPU model would refuse
+    CPU ids); a ``meta`` pool shows it without a GPU."""
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_size=8)
+    kv = PagedKV(spec, num_blocks=16, device="meta")
+    spy = _DeviceSpy(vocab=50, layers=2)
+    engine = Engine(spy, kv, max_batch=2)
+    reqs = [engine.submit(Request(prompt=[1, 2, 3, 4, 5], max_new_tokens=3)) for _ in range(2)]
+    engine.run()
+    assert [r.output for r in reqs] == [[7, 7, 7]] * 2 and not any(r.failed for r in reqs)
+    assert {kind for kind, _, _ in spy.seen} == {"prefill", "decode"}
+    assert all(ids.type == "meta" and pos.type == "meta" for _, ids, pos in spy.seen), spy.seen
+    assert kv.allocator.num_free == kv.allocator.num_blocks  # finished rows gave their blocks back
