@@ -300,10 +300,6 @@ def test_weights_moved_to_new_tensors_drop_every_graph(dg, model, interpret):
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), float((got - want).abs().max())
 
 
-#: The engine hands the model CPU token tensors (its prefill runs a CPU model): its graphed decode is checked here.
-ENGINE_ON_CPU = pytest.mark.skipif(DEVICE == "cuda", reason="the engine feeds the model CPU token tensors")
-
-
 def engine_outputs(model, kv, mode, decode_graphs=None):
     requests = [Request(prompt=p, max_new_tokens=n) for p, n in zip(PROMPTS, (4, 3, 5))]
     with pytest.MonkeyPatch.context() as mp:
@@ -316,7 +312,6 @@ def engine_outputs(model, kv, mode, decode_graphs=None):
     return [r.output for r in requests]
 
 
-@ENGINE_ON_CPU
 def test_the_engine_with_graphs_gives_the_same_outputs_as_without(dg, model):
     """Three requests of different lengths and budgets: the decode steps replay their buckets' graphs (3 rows in
     bucket 4, then 2 and 1 as requests finish) and every request's tokens equal the eager engine's."""
@@ -331,7 +326,6 @@ def test_the_engine_with_graphs_gives_the_same_outputs_as_without(dg, model):
     assert capture.buckets == [4, 2, 1] and stats.replays == 4 and stats.eager == 0
 
 
-@ENGINE_ON_CPU
 def test_the_engine_runs_eagerly_what_the_graphs_do_not_support(dg, model):
     """With the kernels off (MEMOS_REF_KERNELS=reference) the decoder refuses every step: the engine runs the
     eager forward and gives the same tokens; a decoder over another pool or model, or not a decoder, is refused."""
