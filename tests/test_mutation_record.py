@@ -1,0 +1,66 @@
+"""results/mutation.json is what `make mutation` claims (issue 30): its totals follow from its per-function counts
+and its verdict lists, every "killed by hand" names a test that exists, every equivalent mutant says why, and a
+reviewer's verdicts merge into it once per survivor."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD = json.loads((ROOT / "results" / "mutation.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def mutation():
+    spec = importlib.util.spec_from_file_location("mutation_script", ROOT / "scripts" / "mutation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_modules_totals_follow_from_its_functions_and_the_verdicts(mutation):
+    """Recomputing each module's totals from the recorded functions, equivalents and hand kills gives the stored
+    totals (a hand-edited score, or a verdict added without a rescore, fails here)."""
+    assert RECORD["modules"], "no module recorded"
+    for module, entry in RECORD["modules"].items():
+        want = mutation.module_totals(entry["functions"], RECORD["equivalent"], module, RECORD["killed_by_hand"])
+        assert entry["totals"] == want, module
+
+
+def _test_names() -> set[str]:
+    names = set()
+    for path in (ROOT / "tests").glob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test"):
+                names.add(f"tests/{path.name}::{node.name}")
+    return names
+
+
+def test_every_hand_kill_names_an_existing_test_and_every_equivalent_says_why():
+    names = _test_names()
+    for kill in RECORD["killed_by_hand"]:
+        test = kill["test"].split("[")[0]
+        assert test in names or test.split("::")[0] + "::" + test.split("::")[-1] in names, kill
+    for equivalent in RECORD["equivalent"]:
+        assert len(equivalent["why"].split()) >= 4, equivalent  # a reason, not a word
+    verdicts = [(e["module"], e["function"], e["diff"]) for e in RECORD["equivalent"] + RECORD["killed_by_hand"]]
+    assert len(verdicts) == len(set(verdicts)), "a survivor has two verdicts"
+
+
+def test_verdicts_merge_once_per_survivor_and_are_refused_when_incomplete(mutation):
+    record = {"equivalent": [], "killed_by_hand": [], "modules": {}, "runs": []}
+    one = {"module": "m.py", "function": "x_f", "diff": "-a | +b"}
+    assert mutation.merge_verdicts(record, [{**one, "verdict": "equivalent", "why": "b equals a here"}]) == {
+        "equivalent": 1, "killed_by_hand": 0, "left": 0}  # fmt: skip
+    mutation.merge_verdicts(record, [{**one, "verdict": "killed_by_hand", "test": "tests/t.py::test_x"}])
+    assert record["equivalent"] == [] and record["killed_by_hand"] == [{**one, "test": "tests/t.py::test_x"}]
+    mutation.merge_verdicts(record, [{**one, "verdict": "left", "why": "not analysed"}])
+    assert record["equivalent"] == [] and record["killed_by_hand"] == []  # left: the survivor stays a survivor
+    for bad in ({**one, "verdict": "equivalent"}, {**one, "verdict": "killed"}, {"verdict": "left", "why": "x"}):
+        with pytest.raises(SystemExit):
+            mutation.merge_verdicts(record, [bad])
