@@ -4,15 +4,25 @@ checked only by an unrelated test file. Oracles: the byte counts computed here f
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import os
 import re
+import shutil
+import socket
+import stat
+import subprocess
 import sys
+import time
 
 import lz4.frame
 import pytest
+import torch
 import zstandard
 
 from memos_ref.errors import ArgumentTypeError, BackendUnavailableError, ConfigError, CorruptCacheError
-from memos_ref.tiering.backends import DiskBackend, HostMemoryBackend
+from memos_ref.tiering.backend_base import TierBackend
+from memos_ref.tiering.backends import DiskBackend, HostMemoryBackend, temp_name
 from memos_ref.tiering.codecs import CODECS, Codec, get_codec, shuffle, unshuffle
 
 SIZE = 4096
@@ -166,3 +176,363 @@ def test_frames_without_a_size_are_cut_at_the_block_size():
 def test_shuffle_leaves_data_that_is_not_whole_elements_alone():
     assert shuffle(b"abc", 2) == b"abc" and unshuffle(b"abc", 2) == b"abc"
     assert shuffle(b"abcd", 2) == b"acbd" and unshuffle(b"acbd", 2) == b"abcd"
+
+
+# ------------------------------------------ full mutmut run of the backends' budget and bounds (2026-12-02, issue 30)
+# Oracles: byte counts and event counts computed here from the operations the test performs.
+
+
+def _stats(backend) -> dict:
+    """stats() without the zero counters (a Counter keeps a key once touched)."""
+    return {k: v for k, v in backend.stats().items() if v}
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_stats_count_every_put_hit_miss_and_rejection_exactly(tmp_path, kind):
+    """Three puts, two hits, two misses, two refusals (over the budget, over the item bound): each counted once,
+    under its own name, beside the blocks held and their bytes."""
+    backend = HostMemoryBackend(100) if kind == "host" else DiskBackend(tmp_path / "d", 100)
+    backend.limit_item_bytes(60)
+    assert backend.put("aa01", b"a" * 10) and backend.put("bb02", b"b" * 20) and backend.put("aa01", b"c" * 30)
+    assert backend.get("aa01") == b"c" * 30 and backend.get("bb02") == b"b" * 20
+    assert backend.get("cc03") is None and backend.get("dd04") is None
+    assert not backend.put("ee05", b"e" * 101) and not backend.put("ee05", b"e" * 61)
+    assert backend.stats() == {"puts": 3, "hits": 2, "misses": 2, "rejected": 2, "blocks": 2, "bytes": 50}
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_an_item_of_exactly_the_bounds_is_stored_and_read_back(tmp_path, kind):
+    """``size == budget_bytes`` and ``size == max_item_bytes`` are inside the bounds (one byte more is not)."""
+    backend = HostMemoryBackend(100) if kind == "host" else DiskBackend(tmp_path / "d", 100)
+    assert backend.put("aa01", bytes(range(100)))
+    assert backend.get("aa01") == bytes(range(100))
+    backend.limit_item_bytes(40)
+    assert backend.put("bb02", b"b" * 40) and not backend.put("cc03", b"c" * 41)
+    assert backend.get("bb02") == b"b" * 40
+    assert _stats(backend) == {"puts": 2, "hits": 2, "rejected": 1, "blocks": 1, "bytes": 40, "evictions": 1}
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_an_item_over_the_item_bound_is_refused_even_under_the_budget(tmp_path, kind):
+    backend = HostMemoryBackend(1000) if kind == "host" else DiskBackend(tmp_path / "d", 1000)
+    backend.limit_item_bytes(100)
+    assert not backend.put("aa01", b"a" * 101)
+    assert backend.keys() == [] and backend.nbytes == 0 and _stats(backend) == {"rejected": 1}
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_a_put_one_byte_over_the_budget_evicts_the_oldest(tmp_path, kind):
+    """The budget is never exceeded, not even by one byte: 50 + 51 > 100 evicts the 50-byte block."""
+    backend = HostMemoryBackend(100) if kind == "host" else DiskBackend(tmp_path / "d", 100)
+    assert backend.put("aa01", b"a" * 50) and backend.put("bb02", b"b" * 51)
+    assert backend.keys() == ["bb02"] and backend.nbytes == 51 == _held(backend)
+    assert backend.put("cc03", b"c" * 49)  # 51 + 49 == 100: fits exactly, nothing evicted
+    assert backend.keys() == ["bb02", "cc03"] and backend.nbytes == 100
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_growing_a_key_hands_only_the_other_victims_to_on_evict(tmp_path, kind):
+    """Replacing a key at the budget evicts the least recently used *other* keys, each handed to on_evict with its
+    bytes once; the key being replaced is never handed over nor counted as an eviction."""
+    backend = HostMemoryBackend(1000) if kind == "host" else DiskBackend(tmp_path / "d", 1000)
+    evicted = []
+    backend.on_evict = lambda key, data: evicted.append((key, data))
+    for i in range(4):
+        assert backend.put(f"k{i:03d}", bytes([i]) * 200)
+    assert backend.put("k000", b"n" * 500)  # 1,100 > 1,000: k001 goes
+    assert evicted == [("k001", bytes([1]) * 200)]
+    assert _stats(backend) == {"puts": 5, "evictions": 1, "blocks": 3, "bytes": 900}
+
+
+def test_a_lowered_item_bound_turns_larger_stored_blocks_into_counted_misses():
+    """Blocks stored before limit_item_bytes lowered the bound are misses on read, counted corrupt, and forgotten;
+    a block of exactly the new bound is still a hit."""
+    backend = HostMemoryBackend(1000)
+    assert backend.put("aa01", b"a" * 100) and backend.put("bb02", b"b" * 80) and backend.put("cc03", b"c" * 60)
+    backend.limit_item_bytes(60)
+    assert backend.get("aa01") is None and backend.get("bb02") is None and backend.get("zz99") is None
+    assert backend.get("cc03") == b"c" * 60
+    assert backend.keys() == ["cc03"] and backend.nbytes == 60
+    assert _stats(backend) == {"puts": 3, "corrupt": 2, "misses": 3, "hits": 1, "blocks": 1, "bytes": 60}
+
+
+def test_limit_item_bytes_refuses_a_bound_that_is_not_positive_naming_it():
+    backend = HostMemoryBackend(100)
+    with pytest.raises(ConfigError, match=r"^limit must be a positive int, got 0$"):
+        backend.limit_item_bytes(0)
+    with pytest.raises(ArgumentTypeError, match=r"^limit: expected int, got str"):
+        backend.limit_item_bytes("5")
+    assert backend.max_item_bytes == 100
+
+
+def test_host_pin_is_what_was_asked_else_whether_cuda_is_available():
+    assert HostMemoryBackend(10).pin is torch.cuda.is_available()
+    assert HostMemoryBackend(10, pin=True).pin is True and HostMemoryBackend(10, pin=False).pin is False
+    with pytest.raises(ArgumentTypeError, match=r"^pin: expected bool, got int"):
+        HostMemoryBackend(10, pin=1)
+
+
+def test_a_pinned_host_backend_stores_a_pinned_uint8_copy_and_returns_bytes(monkeypatch):
+    """With pin=True each block is one pinned uint8 buffer of its length; reads (and on_evict) get bytes equal to
+    what was put. (torch.empty is recorded so the test runs without CUDA: the pinned allocation is faked.)"""
+    real_empty, calls = torch.empty, []
+
+    def empty(*args, **kwargs):
+        calls.append((args, dict(kwargs)))
+        kwargs.pop("pin_memory", None)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    backend = HostMemoryBackend(16, pin=True)
+    evicted = []
+    backend.on_evict = lambda key, data: evicted.append((key, data))
+    data = bytes(range(200, 208))
+    assert backend.put("aa01", bytearray(data))
+    assert calls == [((8,), {"dtype": torch.uint8, "pin_memory": True})]
+    got = backend.get("aa01")
+    assert type(got) is bytes and got == data
+    assert backend.put("bb02", b"x" * 8) and backend.put("cc03", b"y" * 8)  # 24 > 16: aa01 is evicted
+    assert evicted == [("aa01", data)] and type(evicted[0][1]) is bytes
+
+
+def test_pinned_memory_running_out_refuses_the_block_and_counts_an_error(monkeypatch):
+    """An allocation failure (RuntimeError) is a refused put (False), counted ``errors``, not an exception."""
+
+    def empty(*args, **kwargs):
+        raise RuntimeError("out of pinned memory")
+
+    monkeypatch.setattr(torch, "empty", empty)
+    backend = HostMemoryBackend(100, pin=True)
+    assert backend.put("aa01", b"a" * 10) is False and backend.put("bb02", b"b" * 10) is False
+    assert backend.keys() == [] and _stats(backend) == {"errors": 2}
+
+
+class _DictBackend(TierBackend):
+    """The smallest backend: the base class's own contains / put_many / get_many / stats over a dict."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 20)
+        self.data: dict[str, bytes] = {}
+
+    def put(self, key, data):
+        self.data[key] = bytes(data)
+        return len(data) > 0
+
+    def get(self, key):
+        return self.data.get(key)
+
+    def delete(self, key):
+        return self.data.pop(key, None) is not None
+
+    def keys(self):
+        return list(self.data)
+
+    @property
+    def nbytes(self):
+        return sum(map(len, self.data.values()))
+
+
+def test_the_base_backend_contains_and_put_many_answer_per_key():
+    backend = _DictBackend()
+    assert backend.put_many({"aa01": b"xy", "bb02": b""}) == {"aa01": True, "bb02": False}
+    assert backend.data == {"aa01": b"xy", "bb02": b""}
+    assert backend.contains("aa01") and not backend.contains("cc03")
+    assert backend.get_many(["aa01", "cc03"]) == {"aa01": b"xy"}
+    assert backend.stats() == {"blocks": 2, "bytes": 2}
+    with pytest.raises(ArgumentTypeError, match=r"^items: expected Mapping, got list"):
+        backend.put_many([("aa01", b"x")])
+
+
+# ---------------------------------------------------------------- the disk backend: temp files, foreign files, bounds
+_THIS_HOST = hashlib.blake2b(socket.gethostname().encode(errors="replace"), digest_size=4).hexdigest()
+
+
+def _block_file(root, key: str, data: bytes):
+    """A block file written outside the backend (as another writer, or an attacker, would)."""
+    path = root / key[:2] / f"{key}.kvb"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def test_temp_name_says_this_host_and_this_pid_with_a_12_hex_token():
+    assert re.fullmatch(rf"\.tmp-{_THIS_HOST}-{os.getpid()}-[0-9a-f]{{12}}", temp_name())
+    assert re.fullmatch(rf"\.tmp-{_THIS_HOST}-77-[0-9a-f]{{12}}", temp_name(77))
+
+
+def test_a_live_writers_temp_file_is_kept_and_the_writer_is_not_signalled(tmp_path):
+    """At start a fresh temp file of a live process of this host is another write in flight: kept; checking that
+    the process lives sends it no signal (it exits normally, code 0, once its input ends)."""
+    writer = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        in_flight = tmp_path / "d" / "ab" / temp_name(writer.pid)
+        in_flight.parent.mkdir(parents=True)
+        in_flight.write_bytes(b"half")
+        backend = DiskBackend(tmp_path / "d", 100)
+        assert in_flight.exists() and backend.keys() == []
+    finally:
+        writer.stdin.close()
+        assert writer.wait() == 0
+
+
+def test_temp_files_of_pid_0_are_abandoned_and_of_pid_1_alive(tmp_path):
+    """pid 0 is no process (a write by it is abandoned: removed); pid 1 always lives (its write is kept)."""
+    shard = tmp_path / "d" / "ab"
+    shard.mkdir(parents=True)
+    (shard / temp_name(0)).write_bytes(b"x")
+    (shard / temp_name(1)).write_bytes(b"y")
+    DiskBackend(tmp_path / "d", 100)
+    assert [p.name.split("-")[2] for p in shard.iterdir()] == ["1"]
+
+
+def test_another_hosts_or_an_unknown_temp_file_is_judged_by_age_only(tmp_path):
+    """A fresh temp file of another host (its pid means nothing here) or of an unknown naming is kept; one exactly
+    ``stale_tmp_s`` old is removed."""
+    other = "00000000" if _THIS_HOST != "00000000" else "11111111"
+    shard = tmp_path / "d" / "ab"
+    shard.mkdir(parents=True)
+    foreign, unknown, old = shard / f".tmp-{other}-0-abcdef", shard / ".tmp-something", shard / ".tmp-old"
+    for path in (foreign, unknown, old):
+        path.write_bytes(b"x")
+    os.utime(old, ns=(1_000_000_000_000_000_000,) * 2)  # 1e9 s, exactly
+    real_time = time.time
+    time.time = lambda: 1_000_003_600.0  # now - mtime == stale_tmp_s == 3600 exactly
+    try:
+        DiskBackend(tmp_path / "d", 100, stale_tmp_s=3600.0)
+    finally:
+        time.time = real_time
+    assert sorted(p.name for p in shard.iterdir()) == sorted([foreign.name, unknown.name])
+
+
+def test_files_that_are_not_this_shards_blocks_are_not_adopted_nor_removed(tmp_path):
+    """Only ``<shard>/<key>.kvb`` with a valid key starting with the shard is a block: a file without the suffix, a
+    block file in the wrong shard, a symlink to a regular file (followed it would be adopted) are left alone."""
+    root = tmp_path / "d"
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"secret")
+    planted = [root / "ab" / "abcdefgh", root / "XX" / "readme", root / "cd" / "efgh.kvb"]  # no suffix; wrong shard
+    for path in planted:
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"12345")
+    link = root / "gh" / "ghij.kvb"
+    link.parent.mkdir()
+    link.symlink_to(outside)
+    backend = DiskBackend(root, 100)
+    assert backend.keys() == [] and backend.nbytes == 0
+    assert all(p.exists() for p in planted) and link.is_symlink()
+    assert _stats(backend) == {"unsafe": 1}  # the symlink
+
+
+def test_a_block_read_back_is_exactly_its_bytes_up_to_the_item_bound(tmp_path):
+    """Reads are chunked (1 MiB): a block over one chunk comes back byte for byte; one of exactly max_item_bytes
+    is read whole, not cut nor refused."""
+    big = bytes(range(256)) * ((1 << 20) // 256 + 8)  # 1 MiB + 2 KiB
+    backend = DiskBackend(tmp_path / "d", 4 << 20, max_item_bytes=len(big))
+    assert backend.put("aa01", big) and backend.get("aa01") == big
+    assert _stats(backend) == {"puts": 1, "hits": 1, "blocks": 1, "bytes": len(big)}
+
+
+def test_a_file_that_grows_after_its_size_was_checked_is_never_read_past_the_bound(tmp_path, monkeypatch):
+    """The race a bounded read guards: the file is within max_item_bytes at fstat, then grows. The read stops at
+    max_item_bytes + 1 bytes, refuses the file (a counted corrupt miss, forgotten by the books), raises nothing."""
+    limit = (1 << 20) + 10
+    backend = DiskBackend(tmp_path / "d", 4 << 20, max_item_bytes=limit)
+    assert backend.put("aa01", b"a" * limit)
+    path = backend.path("aa01")
+    real_fstat, real_read, got = os.fstat, os.read, []
+
+    def fstat(fd):
+        st = real_fstat(fd)
+        with open(path, "ab") as f:  # another writer appends right after the check
+            f.write(b"b" * 100)
+        return st
+
+    def read(fd, n):
+        chunk = real_read(fd, n)
+        got.append(len(chunk))
+        return chunk
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "fstat", fstat)
+        m.setattr(os, "read", read)
+        assert backend.get("aa01") is None
+    assert sum(got) == limit + 1
+    assert backend.keys() == [] and backend.nbytes == 0
+    assert _stats(backend) == {"puts": 1, "corrupt": 1, "misses": 1}
+
+
+def test_block_files_are_written_rw_r__r__(tmp_path):
+    old = os.umask(0o022)
+    try:
+        backend = DiskBackend(tmp_path / "d", 100)
+        assert backend.put("aa01", b"x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(backend.path("aa01").stat().st_mode) == 0o644
+
+
+def test_a_failed_write_leaves_the_old_block_no_temp_file_and_counts_an_error(tmp_path, monkeypatch):
+    """An I/O error while writing (here: fsync) is a refused put, counted ``errors`` (not ``unsafe``: nothing was
+    a symlink); the temporary file is removed and the key keeps its old value and size."""
+    backend = DiskBackend(tmp_path / "d", 100)
+    assert backend.put("aa01", b"old")
+
+    def fsync(fd):
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert backend.put("aa01", b"new!") is False
+    monkeypatch.undo()
+    assert sorted(p.name for p in backend.path("aa01").parent.iterdir()) == ["aa01.kvb"]
+    assert backend.get("aa01") == b"old" and backend.nbytes == 3
+    assert _stats(backend) == {"puts": 1, "errors": 1, "hits": 1, "blocks": 1, "bytes": 3}
+
+
+def test_a_block_file_resized_outside_takes_its_real_size_and_evicts_only_others(tmp_path):
+    """A block file another writer replaced with other bytes: the books take its size (counted ``resized``); if
+    that fills the budget exactly nothing is evicted; past it, the least recently used others are — never the
+    block being read."""
+    root = tmp_path / "d"
+    backend = DiskBackend(root, 100)
+    assert backend.put("bb02", b"b" * 10) and backend.put("aa01", b"a" * 10)
+    _block_file(root, "bb02", b"B" * 90)  # 90 + 10 == 100: fits exactly
+    assert backend.get("bb02") == b"B" * 90 and backend.keys() == ["aa01", "bb02"]
+    _block_file(root, "aa01", b"A" * 100)  # 100 + 90 > 100: bb02 goes, aa01 stays
+    assert backend.get("aa01") == b"A" * 100
+    assert backend.keys() == ["aa01"] and backend.nbytes == 100
+    assert _stats(backend) == {"puts": 2, "hits": 2, "resized": 2, "evictions": 1, "blocks": 1, "bytes": 100}
+
+
+def test_block_files_resized_past_the_budget_are_corrupt_misses(tmp_path):
+    """With max_item_bytes above the budget, files grown past the budget are read, then dropped as corrupt."""
+    root = tmp_path / "d"
+    backend = DiskBackend(root, 100, max_item_bytes=1000)
+    assert backend.put("aa01", b"a") and backend.put("bb02", b"b")
+    _block_file(root, "aa01", b"A" * 101)
+    _block_file(root, "bb02", b"B" * 101)
+    assert backend.get("aa01") is None and backend.get("bb02") is None
+    assert backend.keys() == [] and not backend.path("aa01").exists()
+    assert _stats(backend) == {"puts": 2, "resized": 2, "corrupt": 2, "misses": 2}
+
+
+def test_deleting_a_block_whose_shard_vanished_or_became_a_symlink(tmp_path):
+    """A shard directory removed outside: delete forgets the block quietly. A shard replaced by a symlink: nothing
+    is deleted through it, and it is counted ``unsafe``."""
+    root = tmp_path / "d"
+    backend = DiskBackend(root, 100)
+    assert backend.put("aa01", b"a") and backend.put("bb02", b"b")
+    shutil.rmtree(root / "aa")
+    assert backend.delete("aa01") and _stats(backend) == {"puts": 2, "blocks": 1, "bytes": 1}
+    elsewhere = tmp_path / "elsewhere"
+    (root / "bb").rename(elsewhere)
+    (root / "bb").symlink_to(elsewhere)
+    assert backend.delete("bb02") and (elsewhere / "bb02.kvb").exists()
+    assert _stats(backend) == {"puts": 2, "unsafe": 1}
+
+
+def test_a_disk_block_evicted_is_handed_to_on_evict_with_its_bytes(tmp_path):
+    backend = DiskBackend(tmp_path / "d", 10)
+    evicted = []
+    backend.on_evict = lambda key, data: evicted.append((key, data))
+    assert backend.put("aa01", b"a" * 6) and backend.put("bb02", b"b" * 6)
+    assert evicted == [("aa01", b"a" * 6)] and not backend.path("aa01").exists()
