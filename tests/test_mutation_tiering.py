@@ -536,3 +536,114 @@ def test_a_disk_block_evicted_is_handed_to_on_evict_with_its_bytes(tmp_path):
     backend.on_evict = lambda key, data: evicted.append((key, data))
     assert backend.put("aa01", b"a" * 6) and backend.put("bb02", b"b" * 6)
     assert evicted == [("aa01", b"a" * 6)] and not backend.path("aa01").exists()
+
+
+# ----------------------------------------------------------------------------- arguments refused, naming what
+def test_block_keys_are_1_to_128_safe_characters_else_refused_naming_the_key():
+    backend = HostMemoryBackend(1000)
+    assert backend.put("k" * 128, b"x") and backend.put("A-z_9", b"y")
+    with pytest.raises(ConfigError, match=r"^invalid block key 'a/b': expected 1-128 characters of \[A-Za-z0-9_-\]$"):
+        backend.put("a/b", b"x")
+    for bad in ("", "k" * 129, "a.b"):
+        with pytest.raises(ConfigError, match=r"^invalid block key "):
+            backend.get(bad)
+    with pytest.raises(ArgumentTypeError, match=r"^block key: expected str, got int \(5\)$"):
+        backend.get(5)
+    with pytest.raises(ArgumentTypeError, match=r"^data: expected bytes or bytearray or memoryview, got str"):
+        backend.put("aa01", "text")
+    assert backend.put("mv01", memoryview(b"mv")) and backend.get("mv01") == b"mv"
+
+
+def test_get_many_refuses_a_lone_string_or_a_non_iterable_naming_it():
+    backend = HostMemoryBackend(100)
+    assert backend.put("aa01", b"x")
+    with pytest.raises(ArgumentTypeError, match=r"^keys: expected an iterable of str, got str \('aa01'\)$"):
+        backend.get_many("aa01")
+    with pytest.raises(ArgumentTypeError, match=r"^keys: expected an iterable of str, got int \(5\)$"):
+        backend.get_many(5)
+    with pytest.raises(ConfigError, match=r"^invalid block key 'a/b'"):
+        backend.get_many(["aa01", "a/b"])
+    assert backend.get_many(k for k in ["aa01", "bb02"]) == {"aa01": b"x"}
+
+
+def test_budgets_and_item_bounds_are_positive_ints_named_when_refused(tmp_path):
+    """1 is the smallest budget and bound; 0 and a non-int are refused naming the argument. The item bound
+    defaults to the budget."""
+    assert HostMemoryBackend(1).put("aa01", b"x")
+    assert DiskBackend(tmp_path / "a", 100).max_item_bytes == 100
+    assert DiskBackend(tmp_path / "b", 100, max_item_bytes=1).max_item_bytes == 1
+    with pytest.raises(ConfigError, match=r"^budget_bytes must be a positive int, got 0$"):
+        HostMemoryBackend(0)
+    with pytest.raises(ArgumentTypeError, match=r"^budget_bytes: expected int, got str"):
+        HostMemoryBackend("5")
+    with pytest.raises(ConfigError, match=r"^max_item_bytes must be a positive int, got -1$"):
+        DiskBackend(tmp_path / "c", 100, max_item_bytes=-1)
+
+
+# ------------------------------------------------------------------- the disk backend: what it finds on disk
+def test_disk_blocks_over_a_lowered_item_bound_are_counted_corrupt_misses_and_removed(tmp_path):
+    backend = DiskBackend(tmp_path / "d", 1000)
+    assert backend.put("aa01", b"a" * 100) and backend.put("bb02", b"b" * 80) and backend.put("cc03", b"c" * 60)
+    backend.limit_item_bytes(60)
+    assert backend.get("aa01") is None and backend.get("bb02") is None and backend.get("zz99") is None
+    assert backend.get("cc03") == b"c" * 60
+    assert not backend.path("aa01").exists() and not backend.path("bb02").exists()
+    assert backend.keys() == ["cc03"] and backend.nbytes == 60
+    assert _stats(backend) == {"puts": 3, "corrupt": 2, "misses": 3, "hits": 1, "blocks": 1, "bytes": 60}
+
+
+def test_disk_blocks_removed_outside_are_quiet_misses_and_forgotten(tmp_path):
+    """A block file deleted by someone else: a miss (not an error), and the books forget it."""
+    backend = DiskBackend(tmp_path / "d", 100)
+    assert backend.put("aa01", b"a" * 10) and backend.put("bb02", b"b" * 10) and backend.put("cc03", b"c")
+    backend.path("aa01").unlink()
+    backend.path("bb02").unlink()
+    assert backend.get("aa01") is None and backend.get("bb02") is None and backend.get("cc03") == b"c"
+    assert backend.keys() == ["cc03"] and backend.nbytes == 1
+    assert _stats(backend) == {"puts": 3, "misses": 2, "hits": 1, "blocks": 1, "bytes": 1}
+
+
+def test_entries_at_the_root_that_cannot_be_shards_are_counted_once_each_and_left_alone(tmp_path):
+    """A file and a symlink under shard names are counted ``unsafe`` (one each); a directory whose name is not a
+    shard's is no shard: not counted, and even its stale-looking temporary files are not touched."""
+    root = tmp_path / "d"
+    root.mkdir()
+    (root / "ab").write_bytes(b"a file")
+    (tmp_path / "dir").mkdir()
+    (root / "cd").symlink_to(tmp_path / "dir")
+    (root / "abc").mkdir()
+    (root / "abc" / ".tmp-old").write_bytes(b"x")
+    (root / "abc" / "abcd.kvb").write_bytes(b"x")
+    backend = DiskBackend(root, 100, stale_tmp_s=0)
+    assert backend.keys() == [] and (root / "abc" / ".tmp-old").exists() and (root / "ab").exists()
+    assert _stats(backend) == {"unsafe": 2}
+
+
+def test_an_entry_that_vanishes_during_the_scan_is_skipped_not_the_rest_of_its_shard(tmp_path, monkeypatch):
+    root = tmp_path / "d"
+    _block_file(root, "ab01", b"1")
+    _block_file(root, "ab02", b"22")
+    real = os.scandir
+
+    class Vanished:
+        name = "ab00.kvb"
+
+        def stat(self, *, follow_symlinks=True):
+            raise FileNotFoundError(errno.ENOENT, "gone", self.name)
+
+    class Listing(list):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def scandir(path="."):
+        with real(path) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        return Listing([Vanished(), *entries] if isinstance(path, int) else entries)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    backend = DiskBackend(root, 100)
+    monkeypatch.undo()
+    assert sorted(backend.keys()) == ["ab01", "ab02"] and backend.nbytes == 3
