@@ -9,6 +9,7 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -20,7 +21,7 @@ import pytest
 import torch
 import zstandard
 
-from memos_ref.errors import ArgumentTypeError, BackendUnavailableError, ConfigError, CorruptCacheError
+from memos_ref.errors import ArgumentTypeError, BackendUnavailableError, ConfigError, CorruptCacheError, StateError
 from memos_ref.tiering.backend_base import TierBackend
 from memos_ref.tiering.backends import DiskBackend, HostMemoryBackend, temp_name
 from memos_ref.tiering.codecs import CODECS, Codec, get_codec, shuffle, unshuffle
@@ -360,10 +361,16 @@ def test_temp_name_says_this_host_and_this_pid_with_a_12_hex_token():
     assert re.fullmatch(rf"\.tmp-{_THIS_HOST}-77-[0-9a-f]{{12}}", temp_name(77))
 
 
+def _default_sighup() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def test_a_live_writers_temp_file_is_kept_and_the_writer_is_not_signalled(tmp_path):
     """At start a fresh temp file of a live process of this host is another write in flight: kept; checking that
     the process lives sends it no signal (it exits normally, code 0, once its input ends)."""
-    writer = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    writer = subprocess.Popen(  # SIGHUP at its default (a nohup'ed runner would have it ignored)
+        ["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, preexec_fn=_default_sighup
+    )
     try:
         in_flight = tmp_path / "d" / "ab" / temp_name(writer.pid)
         in_flight.parent.mkdir(parents=True)
@@ -383,6 +390,15 @@ def test_temp_files_of_pid_0_are_abandoned_and_of_pid_1_alive(tmp_path):
     (shard / temp_name(1)).write_bytes(b"y")
     DiskBackend(tmp_path / "d", 100)
     assert [p.name.split("-")[2] for p in shard.iterdir()] == ["1"]
+
+
+def test_a_temp_file_of_a_pid_the_os_cannot_hold_is_kept(tmp_path):
+    """A pid past what kill(2) accepts (2**31) cannot be checked: its write is assumed in flight, not removed."""
+    shard = tmp_path / "d" / "ab"
+    shard.mkdir(parents=True)
+    (shard / temp_name(2**31)).write_bytes(b"x")
+    DiskBackend(tmp_path / "d", 100)
+    assert [p.name.split("-")[2] for p in shard.iterdir()] == [str(2**31)]
 
 
 def test_another_hosts_or_an_unknown_temp_file_is_judged_by_age_only(tmp_path):
@@ -647,3 +663,80 @@ def test_an_entry_that_vanishes_during_the_scan_is_skipped_not_the_rest_of_its_s
     backend = DiskBackend(root, 100)
     monkeypatch.undo()
     assert sorted(backend.keys()) == ["ab01", "ab02"] and backend.nbytes == 3
+
+
+# ------------------------------------------------------------------ the disk root's lock: one process per root
+def _in_child(fn) -> str:
+    """``fn()`` run in a forked child: ``returned <repr>`` or ``<Error>: <message>``."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports and leaves without the parent's finalizers or pytest's teardown
+        try:
+            try:
+                out = f"returned {fn()!r}"
+            except BaseException as exc:
+                out = f"{type(exc).__name__}: {exc}"
+            os.write(write_end, out.encode()[:4000])
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end, "rb") as f:
+            return f.read().decode()
+    finally:
+        os.waitpid(pid, 0)
+
+
+def test_the_root_lock_names_this_pid_and_is_released_once_every_backend_on_it_is_closed(tmp_path):
+    """root/.lock (rw-r--r--) holds this process's pid; another process is refused while any backend of this one
+    is open on the root, and takes the root once the last one is closed."""
+    root = tmp_path / "d"
+    old = os.umask(0o022)
+    try:
+        first, second = DiskBackend(root, 100), DiskBackend(root, 100)
+    finally:
+        os.umask(old)
+    lock = root / ".lock"
+    # read in a child: closing any descriptor of the file in this process would drop this process's lockf lock
+    assert _in_child(lock.read_bytes) == f"returned {str(os.getpid()).encode()!r}"
+    assert stat.S_IMODE(lock.stat().st_mode) == 0o644
+    first.close()
+    refused = _in_child(lambda: DiskBackend(root, 100).keys())
+    assert refused.startswith(f"StateError: disk tier root {str(root.resolve())!r} is in use by another process")
+    second.close()
+    assert _in_child(lambda: DiskBackend(root, 100).keys()) == "returned []"
+
+
+def test_a_closed_or_inherited_backend_refuses_use_naming_its_root_and_processes(tmp_path):
+    root = tmp_path / "d"
+    backend = DiskBackend(root, 100)
+    where = repr(str(root.resolve()))
+    inherited = _in_child(lambda: backend.get("aa01"))
+    assert re.fullmatch(
+        rf"StateError: disk tier backend on {re.escape(where)} was made by process {os.getpid()}, used in \d+ \(after "
+        r"fork\): one process per root — make the child its own DiskBackend on its own root",
+        inherited,
+    )
+    backend.close()
+    with pytest.raises(
+        StateError, match=rf"^disk tier backend on {re.escape(where)} is closed: make a new DiskBackend$"
+    ):
+        backend.get("aa01")
+
+
+def test_a_lock_file_that_is_a_symlink_or_a_fifo_is_refused_naming_the_root(tmp_path):
+    for name, plant, says in (
+        ("s", lambda p: p.symlink_to(tmp_path / "elsewhere"), ".lock is a symlink or a directory"),
+        ("f", os.mkfifo, ".lock is not a regular file (mode 10644)"),
+    ):
+        root = tmp_path / name
+        root.mkdir()
+        old = os.umask(0o022)
+        try:
+            plant(root / ".lock")
+        finally:
+            os.umask(old)
+        where = re.escape(f"disk tier root {str(root.resolve())!r}: {says}")
+        with pytest.raises(ConfigError, match=rf"^{where}$"):
+            DiskBackend(root, 100)
+    assert not (tmp_path / "elsewhere").exists()
