@@ -740,3 +740,23 @@ def test_a_lock_file_that_is_a_symlink_or_a_fifo_is_refused_naming_the_root(tmp_
         with pytest.raises(ConfigError, match=rf"^{where}$"):
             DiskBackend(root, 100)
     assert not (tmp_path / "elsewhere").exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [(None, "{pid}"), (b"   \n", "unknown"), (b"\xff42", "\ufffd42"), (b"7" * 40, "7" * 20)],
+)
+def test_a_held_root_names_its_holder_as_the_lock_file_says(tmp_path, content, named):
+    """The refusal names the pid written in root/.lock (at most 20 characters; undecodable bytes replaced, nothing
+    there: "unknown") — never a decoding error."""
+    root = tmp_path / "d"
+    holder = DiskBackend(root, 100)
+    if content is not None:  # written by another process: closing a descriptor here would drop our lock
+        assert _in_child(lambda: (root / ".lock").write_bytes(content)) == f"returned {len(content)}"
+    refused = _in_child(lambda: DiskBackend(root, 100))
+    pid = named.format(pid=os.getpid())
+    assert refused == (
+        f"StateError: disk tier root {str(root.resolve())!r} is in use by another process (pid {pid}): one process "
+        "per root — give each process its own root (or share blocks through the Redis tier)"
+    )
+    holder.close()
