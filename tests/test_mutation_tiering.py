@@ -403,7 +403,7 @@ def test_a_temp_file_of_a_pid_the_os_cannot_hold_is_kept(tmp_path):
 
 def test_another_hosts_or_an_unknown_temp_file_is_judged_by_age_only(tmp_path):
     """A fresh temp file of another host (its pid means nothing here) or of an unknown naming is kept; one exactly
-    ``stale_tmp_s`` old is removed."""
+    ``stale_tmp_s`` old (by default one hour) is removed."""
     other = "00000000" if _THIS_HOST != "00000000" else "11111111"
     shard = tmp_path / "d" / "ab"
     shard.mkdir(parents=True)
@@ -414,7 +414,7 @@ def test_another_hosts_or_an_unknown_temp_file_is_judged_by_age_only(tmp_path):
     real_time = time.time
     time.time = lambda: 1_000_003_600.0  # now - mtime == stale_tmp_s == 3600 exactly
     try:
-        DiskBackend(tmp_path / "d", 100, stale_tmp_s=3600.0)
+        DiskBackend(tmp_path / "d", 100)  # the default stale_tmp_s: one hour
     finally:
         time.time = real_time
     assert sorted(p.name for p in shard.iterdir()) == sorted([foreign.name, unknown.name])
@@ -760,3 +760,48 @@ def test_a_held_root_names_its_holder_as_the_lock_file_says(tmp_path, content, n
         "per root — give each process its own root (or share blocks through the Redis tier)"
     )
     holder.close()
+
+
+# ----------------------------------------------------------------------- the disk backend: construction, restart
+def test_a_disk_root_is_a_path_made_with_its_parents_else_refused_naming_it(tmp_path):
+    assert DiskBackend(tmp_path / "a" / "b" / "c", 100).root == (tmp_path / "a" / "b" / "c").resolve()
+    with pytest.raises(ArgumentTypeError, match=r"^root: expected str or PathLike, got int \(5\)$"):
+        DiskBackend(5, 100)
+    (tmp_path / "file").write_bytes(b"x")
+    under_a_file = str(tmp_path / "file" / "d")
+    with pytest.raises(ConfigError, match=rf"^cannot use {re.escape(repr(under_a_file))} as a disk tier root: "):
+        DiskBackend(under_a_file, 100)
+    with pytest.raises(ConfigError, match=r"^stale_tmp_s must be finite and >= 0 seconds, got -1$"):
+        DiskBackend(tmp_path / "e", 100, stale_tmp_s=-1)
+    assert DiskBackend(tmp_path / "f", 100, stale_tmp_s=0).stale_tmp_s == 0
+
+
+def test_a_restart_adopts_every_shards_blocks_oldest_first_and_keeps_exactly_the_budget(tmp_path):
+    """Blocks in several shards, written with known mtimes, totalling exactly the budget: a new backend on the root
+    (after the first is closed) adopts all of them, least recently modified first; at a smaller budget it evicts
+    the oldest until the rest fit."""
+    root = tmp_path / "d"
+    first = DiskBackend(root, 100)
+    for i, key in enumerate(["cc03", "aa01", "bb02", "dd04"]):
+        assert first.put(key, bytes([i]) * 25)
+        os.utime(first.path(key), ns=(10**18 + i * 10**9,) * 2)
+    first.close()
+    again = DiskBackend(root, 100)
+    assert again.keys() == ["cc03", "aa01", "bb02", "dd04"] and again.nbytes == 100
+    assert again.get("aa01") == bytes([1]) * 25
+    again.close()
+    smaller = DiskBackend(root, 60)
+    assert smaller.keys() == ["bb02", "dd04"] and smaller.nbytes == 50
+    assert not smaller.path("cc03").exists() and not smaller.path("aa01").exists()
+    assert _stats(smaller) == {"evictions": 2, "blocks": 2, "bytes": 50}
+
+
+def test_a_second_backend_in_the_process_shares_the_books_and_forgets_files_gone(tmp_path):
+    """Backends of one process on one root share the books; a new one re-scans and forgets blocks whose files
+    went away meanwhile."""
+    root = tmp_path / "d"
+    first = DiskBackend(root, 100)
+    assert first.put("aa01", b"a" * 10) and first.put("bb02", b"b" * 20)
+    first.path("aa01").unlink()
+    second = DiskBackend(root, 100)
+    assert second.keys() == ["bb02"] == first.keys() and first.nbytes == 20 == second.nbytes
