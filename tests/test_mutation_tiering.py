@@ -744,11 +744,17 @@ def test_a_lock_file_that_is_a_symlink_or_a_fifo_is_refused_naming_the_root(tmp_
 
 @pytest.mark.parametrize(
     ("content", "named"),
-    [(None, "{pid}"), (b"   \n", "unknown"), (b"\xff42", "\ufffd42"), (b"7" * 40, "7" * 20)],
+    [
+        (None, "{pid}"),
+        (b"   \n", "unknown"),
+        (b"\xff42", "\ufffd42"),
+        (b"7" * 40, "7" * 20),
+        (b" " * 32 + b"7", "unknown"),
+    ],
 )
 def test_a_held_root_names_its_holder_as_the_lock_file_says(tmp_path, content, named):
-    """The refusal names the pid written in root/.lock (at most 20 characters; undecodable bytes replaced, nothing
-    there: "unknown") — never a decoding error."""
+    """The refusal names the pid written in root/.lock (its first 32 bytes, at most 20 characters shown;
+    undecodable bytes replaced; nothing there: "unknown") — never a decoding error."""
     root = tmp_path / "d"
     holder = DiskBackend(root, 100)
     if content is not None:  # written by another process: closing a descriptor here would drop our lock
