@@ -814,14 +814,15 @@ def test_a_second_backend_in_the_process_shares_the_books_and_forgets_files_gone
 
 
 def test_a_shard_scan_goes_on_past_temp_files_and_unsafe_entries(tmp_path, monkeypatch):
-    """In one shard, listed in name order (temp files first): a fresh temp file is kept, a dangling symlink and a
-    file over max_item_bytes are counted ``unsafe`` (one each) and not adopted, and the blocks after them are — one
-    of exactly max_item_bytes included."""
+    """In one shard, listed in name order (temp files first): a fresh temp file is kept, a file that is not a block
+    is left alone, a dangling symlink and a file over max_item_bytes are counted ``unsafe`` (one each) and not
+    adopted, and the blocks after them are — one of exactly max_item_bytes included."""
     root = tmp_path / "d"
     shard = root / "ab"
     shard.mkdir(parents=True)
     (shard / ".tmp-fresh").write_bytes(b"x")
     (shard / "ab00.kvb").symlink_to(tmp_path / "missing")
+    (shard / "ab00.txt").write_bytes(b"not a block")
     (shard / "ab01.kvb").write_bytes(b"1" * 11)
     (shard / "ab02.kvb").write_bytes(b"2" * 5)
     (shard / "ab03.kvb").write_bytes(b"3" * 10)
@@ -835,7 +836,7 @@ def test_a_shard_scan_goes_on_past_temp_files_and_unsafe_entries(tmp_path, monke
     backend = DiskBackend(root, 100, max_item_bytes=10)
     monkeypatch.undo()
     assert sorted(backend.keys()) == ["ab02", "ab03"] and backend.nbytes == 15
-    assert (shard / ".tmp-fresh").exists() and (shard / "ab01.kvb").exists()
+    assert (shard / ".tmp-fresh").exists() and (shard / "ab00.txt").exists() and (shard / "ab01.kvb").exists()
     assert _stats(backend) == {"unsafe": 2, "blocks": 2, "bytes": 15}
 
 
