@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from memos_ref import attention
-from memos_ref.attention import attend_sequences, dense_attention, paged_attention
-from memos_ref.errors import ArgumentTypeError, InvalidArgumentError, ShapeError
+from memos_ref.attention import attend_sequences, attend_step, dense_attention, paged_attention, write_step
+from memos_ref.errors import ArgumentTypeError, BackendUnavailableError, InvalidArgumentError, ShapeError
 from memos_ref.paged import PagedKV
-from memos_ref.quant import PerTokenInt8
+from memos_ref.paged.step import StepBatch
+from memos_ref.quant import FP8E4M3, KIVI, PerTokenInt8
 from memos_ref.spec import KVSpec
 
 
@@ -232,3 +233,242 @@ def test_attend_sequences_refuses_bad_arguments_by_name():
         assert str(info.value) == f"mask: expected [batch, heads, queries, >= 21], got {tuple(bad.shape)}"
     mask = torch.zeros(2, 1, 1, 21)  # exactly as long as the longest row: accepted
     assert attend_sequences(q, seqs, 0, mask=mask).shape == (2, 4, 1, 8)
+
+
+# ----------------------------------------------------------------------- the kernel path, with stand-in kernels
+SPEC2 = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_size=8, num_q_heads=4)
+SPEC2_16 = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, block_size=16, num_q_heads=4)
+
+
+class FakeKernels:
+    """Stands in for ``memos_kernels.triton_paged``: records each launch and its keyword arguments; the float
+    kernels compute the torch reference from exactly the arguments they are handed (a dropped or wrong argument
+    changes the output), the quantized ones return zeros. ``fail`` names a wrapper that raises RuntimeError."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.calls: list[tuple[str, dict]] = []
+        self.fail = fail
+
+    def _record(self, name: str, kw: dict) -> None:
+        self.calls.append((name, kw))
+        if self.fail == name:
+            raise RuntimeError("boom")
+
+    def launches(self, name: str) -> list[dict]:
+        return [kw for n, kw in self.calls if n == name]
+
+    def write_kv(self, key, value, slots, key_cache, value_cache, *, validate=None):
+        self._record("write_kv", {"validate": validate})
+        t = key_cache.shape[2]
+        for i, s in enumerate(slots.tolist()):
+            key_cache[s // t, :, s % t], value_cache[s // t, :, s % t] = key[i], value[i]
+
+    def write_kv_int8(self, key, value, slots, *, validate=None, **pool_args):
+        self._record("write_kv_int8", {"validate": validate})
+
+    def paged_decode_attention(self, query, key_cache, value_cache, tables, lens, **kw):
+        self._record("paged_decode_attention", kw)
+        if kw.get("quant") is not None:
+            return torch.zeros_like(query)
+        return paged_attention(query[:, :, None], key_cache, value_cache, tables, lens, scale=kw.get("scale"))[:, :, 0]
+
+    def paged_prefill_attention(self, query, key_cache, value_cache, tables, lens, qlens, **kw):
+        self._record("paged_prefill_attention", {**kw, "query_lens": qlens.tolist()})
+        return paged_attention(query, key_cache, value_cache, tables, lens, query_lens=qlens, scale=kw.get("scale"))
+
+    def paged_decode_attention_kivi_packed(self, query, blocks, tables, lens, **kw):
+        self._record("paged_decode_attention_kivi_packed", kw)
+        return torch.zeros_like(query)
+
+
+def _kernel_pool(kind: str) -> PagedKV:
+    if kind == "kivi":
+        return PagedKV(SPEC2_16, 12, quant=KIVI(bits=4, group_size=16), residual_tokens=16, prefix_caching=False)
+    quant = {"plain": {}, "int8": {"quant": PerTokenInt8()}, "fp8": {"quant": FP8E4M3()}}[kind]
+    return PagedKV(SPEC2, 12, prefix_caching=False, **quant)
+
+
+def _kernel_step(monkeypatch, kind: str, n: int, *, scale=None, fake=None, hq: int = 4):
+    """Rows of LENS tokens on both layers, then one step of ``n`` new tokens per row through write_step and
+    attend_step under MEMOS_REF_KERNELS=interpret with the stand-in kernels: (fake, step, rows, queries, outputs)."""
+    monkeypatch.setenv("MEMOS_REF_KERNELS", "interpret")
+    fake = fake or FakeKernels()
+    monkeypatch.setattr(attention, "_triton", lambda: fake)
+    kv = _kernel_pool(kind)
+    d = kv.pool.spec.head_dim
+    gen = torch.Generator().manual_seed(11)
+    seqs = [kv.new_sequence() for _ in LENS]
+    for seq, length in zip(seqs, LENS, strict=True):
+        for layer in range(2):
+            seq.append(layer, torch.randn(2, length, d, generator=gen), torch.randn(2, length, d, generator=gen))
+    step = StepBatch.reserve(seqs, n)
+    queries, outs = [], []
+    for layer in range(2):
+        k, v = torch.randn(2, 2, n, d, generator=gen), torch.randn(2, 2, n, d, generator=gen)
+        write_step(step, layer, k, v)
+        queries.append(torch.randn(2, hq, n, d, generator=gen))
+        outs.append(attend_step(queries[-1], step, layer, scale=scale))
+    return fake, step, seqs, queries, outs
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_float_pool_step_runs_the_kernels_once_per_layer_with_the_asked_scale(monkeypatch, n):
+    """A float pool's step writes with ``write_kv`` and attends with the decode kernel (one query per row) or the
+    prefill kernel (a chunk): outputs equal the oracle over each row's tokens at the asked scale; the kernel is
+    told the longest row, and the step's values are validated at its first layer only."""
+    fake, step, seqs, queries, outs = _kernel_step(monkeypatch, "plain", n, scale=0.3)
+    for layer in range(2):
+        for i, seq in enumerate(seqs):
+            k, v = seq.to_dense(layer)
+            want = _oracle(queries[layer][i], k, v, scale=0.3)
+            torch.testing.assert_close(outs[layer][i].double(), want, atol=1e-5, rtol=1e-5)
+    assert [kw["validate"] for kw in fake.launches("write_kv")] == [None, False]
+    if n == 1:
+        launches = fake.launches("paged_decode_attention")
+        assert [kw["validate"] for kw in launches] == [None, False]
+        assert all(kw["scale"] == 0.3 and kw["max_seq_len"] == max(LENS) + 1 for kw in launches)
+        assert all(kw["step_memo"] is step.notes for kw in launches)  # the plan made at layer 0 is reused
+    else:
+        launches = fake.launches("paged_prefill_attention")
+        assert [kw["validate"] for kw in launches] == [None, False]
+        assert all(kw["scale"] == 0.3 and kw["query_lens"] == [n, n] for kw in launches)
+    assert len(fake.calls) == 4
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8", "kivi"])
+def test_a_quantized_decode_step_hands_its_kernel_scale_longest_row_and_validates_once(monkeypatch, kind):
+    """A streaming int8 / fp8 or a KIVI pool's decode step launches its kernel once per layer with the asked scale,
+    the longest row's length, and value checks at the first layer only (int8 writes with write_kv_int8 alike)."""
+    if kind == "kivi":
+        pytest.importorskip("triton")
+    fake, step, *_ = _kernel_step(monkeypatch, kind, 1, scale=0.3)
+    name = "paged_decode_attention_kivi_packed" if kind == "kivi" else "paged_decode_attention"
+    launches = fake.launches(name)
+    assert [kw["validate"] for kw in launches] == [None, False]
+    assert all(kw["scale"] == 0.3 and kw["max_seq_len"] == max(LENS) + 1 for kw in launches)
+    if kind != "kivi":
+        assert all(kw["quant"] == kind for kw in launches)
+    if kind == "int8":
+        assert [kw["validate"] for kw in fake.launches("write_kv_int8")] == [None, False]
+    assert step.notes["path"] == kind
+
+
+@pytest.mark.parametrize(
+    "kind, n, fail, what",
+    [
+        ("plain", 1, "write_kv", "write_kv"),
+        ("plain", 1, "paged_decode_attention", "paged_decode_attention"),
+        ("plain", 3, "paged_prefill_attention", "paged_prefill_attention"),
+        ("int8", 1, "write_kv_int8", "write_kv_int8"),
+        ("int8", 1, "paged_decode_attention", "paged_decode_attention(quant='int8')"),
+        ("kivi", 1, "paged_decode_attention_kivi_packed", "paged_decode_attention_kivi"),
+    ],
+)
+def test_a_failing_kernel_is_named_in_a_backend_error(monkeypatch, kind, n, fail, what):
+    """A kernel that raises (a Triton compile or launch error) surfaces as BackendUnavailableError naming the
+    kernel, the original error and the way around it."""
+    if kind == "kivi":
+        pytest.importorskip("triton")
+    with pytest.raises(BackendUnavailableError) as info:
+        _kernel_step(monkeypatch, kind, n, fake=FakeKernels(fail=fail))
+    assert str(info.value) == (
+        f"the Triton kernel {what} failed (RuntimeError: boom); MEMOS_REF_KERNELS=reference runs the torch "
+        "reference instead"
+    )
+
+
+def test_an_int8_kernel_write_refuses_values_it_cannot_encode_naming_the_layer(monkeypatch):
+    """write_kv_int8 cannot refuse a NaN itself: the pool checks first, names the layer, and nothing is launched."""
+    monkeypatch.setenv("MEMOS_REF_KERNELS", "interpret")
+    fake = FakeKernels()
+    monkeypatch.setattr(attention, "_triton", lambda: fake)
+    kv = _kernel_pool("int8")
+    seq = kv.new_sequence()
+    step = StepBatch.reserve([seq], 1)
+    ok = torch.randn(1, 2, 1, 8)
+    write_step(step, 0, ok, ok)
+    bad = ok.clone()
+    bad[0, 1, 0, 3] = float("nan")
+    with pytest.raises(InvalidArgumentError, match="layer 1 "):
+        write_step(step, 1, bad, ok)
+    assert len(fake.launches("write_kv_int8")) == 1
+
+
+def test_a_query_group_the_kernels_cannot_take_runs_the_reference(monkeypatch):
+    """Query heads that are not a multiple of the KV heads never reach a kernel: the reference refuses them."""
+    fake = FakeKernels()
+    with pytest.raises(ShapeError, match=r"query heads \(3\) must be a multiple of KV heads \(2\)"):
+        _kernel_step(monkeypatch, "plain", 1, fake=fake, hq=3)
+    assert fake.launches("paged_decode_attention") == []
+
+
+def _decode_inputs():
+    """One decode query per row over a float pool's layer 0 (rows of LENS tokens): query [B, Hq, D], caches,
+    tables and lengths, and each row's dense K/V."""
+    kv, seqs = _sequences("float")
+    view = kv.pool.layer_view(0)
+    tables = torch.tensor([s.block_table + [-1] * (3 - s.num_blocks) for s in seqs])
+    query = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(4))
+    return query, view[:, 0], view[:, 1], tables, torch.tensor(LENS), [s.to_dense(0) for s in seqs]
+
+
+@pytest.mark.parametrize("mode, launches", [("reference", 0), ("interpret", 1)])
+def test_paged_decode_is_the_oracle_at_the_asked_scale_through_kernel_or_reference(monkeypatch, mode, launches):
+    """paged_decode launches the decode kernel only when MEMOS_REF_KERNELS allows it (once, with every argument)
+    and otherwise runs the reference; either way each row is the oracle over its own tokens at the asked scale."""
+    monkeypatch.setenv("MEMOS_REF_KERNELS", mode)
+    fake = FakeKernels()
+    monkeypatch.setattr(attention, "_triton", lambda: fake)
+    query, kc, vc, tables, lens, dense = _decode_inputs()
+    out = attention.paged_decode(query, kc, vc, tables, lens, scale=0.3)
+    assert len(fake.launches("paged_decode_attention")) == launches
+    for i, (k, v) in enumerate(dense):
+        want = _oracle(query[i][:, None], k, v, scale=0.3)[:, 0]
+        torch.testing.assert_close(out[i].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_decode_refuses_bad_arguments_by_name():
+    """Each argument that is not a tensor is named; a query that is not one decode step [B, Hq, D] is refused."""
+    args = dict(
+        zip(("query", "key_cache", "value_cache", "block_tables", "seq_lens"), _decode_inputs()[:5], strict=True)
+    )
+    for name in args:
+        with pytest.raises(ArgumentTypeError, match=rf"^{name}: expected Tensor, got int"):
+            attention.paged_decode(**{**args, name: 7})
+    bad = args["query"][:, :, None]
+    with pytest.raises(ShapeError) as info:
+        attention.paged_decode(**{**args, "query": bad})
+    assert str(info.value) == f"query: expected [batch, q_heads, head_dim] (one decode step), got {tuple(bad.shape)}"
+
+
+class _Pool:
+    """A duck-typed pool as step_path sees it (the attention layer is below quant): on a (pretend) GPU."""
+
+    def __init__(self, name: str, group_size: int = 16, streaming: bool = True) -> None:
+        self.spec = SPEC2_16
+        self.device = torch.device("cuda", 1)
+        self.segments = [None]
+        self.quantized = True
+        self.streaming = streaming
+        self.scheme = type("Scheme", (), {"name": name, "group_size": group_size})()
+
+
+@pytest.mark.parametrize("capability, path", [((8, 6), "reference"), ((8, 9), "fp8"), ((9, 0), "fp8")])
+def test_an_fp8_pool_takes_the_fp8_kernel_only_on_sm89_or_newer(monkeypatch, capability, path):
+    """Triton's e4m3 needs sm_89+: an fp8 pool on an older GPU runs the reference; the capability asked is that of
+    the pool's own GPU."""
+    monkeypatch.setenv("MEMOS_REF_KERNELS", "triton")
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or capability)
+    step = type("Step", (), {"notes": {}, "pool": _Pool("fp8_e4m3")})()
+    assert attention.step_path(step) == path
+    assert asked == [torch.device("cuda", 1)]
+
+
+@pytest.mark.parametrize("group, path", [(16, "kivi"), (1, "kivi"), (0, "reference"), (48, "reference")])
+def test_a_kivi_pool_takes_the_kivi_kernel_only_for_a_power_of_two_group_dividing_the_block(monkeypatch, group, path):
+    """The KIVI kernel reads groups of a power-of-two size that divide the block; any other pool runs the
+    reference (and a group of 0 never divides anything)."""
+    monkeypatch.setenv("MEMOS_REF_KERNELS", "triton")
+    step = type("Step", (), {"notes": {}, "pool": _Pool("kivi4", group_size=group)})()
+    assert attention.step_path(step) == path
