@@ -5,13 +5,27 @@ outgrow the window on a decode step). The oracle is written out here: softmax ov
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
 
 from memos_ref import attention
-from memos_ref.attention import attend_sequences, attend_step, dense_attention, paged_attention, write_step
-from memos_ref.errors import ArgumentTypeError, BackendUnavailableError, InvalidArgumentError, ShapeError
+from memos_ref.attention import (
+    attend_sequences,
+    attend_step,
+    dense_attention,
+    gather_kv,
+    paged_attention,
+    write_step,
+)
+from memos_ref.errors import (
+    ArgumentTypeError,
+    BackendUnavailableError,
+    ConfigError,
+    InvalidArgumentError,
+    ShapeError,
+)
 from memos_ref.paged import PagedKV
 from memos_ref.paged.step import StepBatch
 from memos_ref.quant import FP8E4M3, KIVI, PerTokenInt8
@@ -472,3 +486,444 @@ def test_a_kivi_pool_takes_the_kivi_kernel_only_for_a_power_of_two_group_dividin
     monkeypatch.setenv("MEMOS_REF_KERNELS", "triton")
     step = type("Step", (), {"notes": {}, "pool": _Pool("kivi4", group_size=group)})()
     assert attention.step_path(step) == path
+
+
+@pytest.mark.parametrize(
+    "hq, h, t, d, launches",
+    [(1, 1, 8, 8, 1), (32, 16, 8, 8, 1), (4, 2, 4, 16, 0), (4, 2, 8, 24, 0)],
+)
+def test_paged_decode_launches_the_kernel_only_inside_its_launch_set(monkeypatch, hq, h, t, d, launches):
+    """In the interpreter the kernels take powers of two, block sizes 8-128 and whole query groups (one head, or
+    16 KV heads of head dim 8, included); outside that set even an explicit kernel mode runs the reference
+    instead of failing mid-generation, and every row is the oracle either way."""
+    monkeypatch.setenv("MEMOS_REF_KERNELS", "interpret")
+    fake = FakeKernels()
+    monkeypatch.setattr(attention, "_triton", lambda: fake)
+    gen = torch.Generator().manual_seed(hq + t + d)
+    cache_k, cache_v = torch.randn(5, h, t, d, generator=gen), torch.randn(5, h, t, d, generator=gen)
+    tables, lens = torch.tensor([[3, 1], [4, -1]]), torch.tensor([t + 3, t - 1])
+    query = torch.randn(2, hq, d, generator=gen)
+    out = attention.paged_decode(query, cache_k, cache_v, tables, lens)
+    assert len(fake.launches("paged_decode_attention")) == launches
+    for i, n in enumerate(lens.tolist()):
+        ids = [b for b in tables[i].tolist() if b >= 0]
+        k, v = torch.cat([cache_k[b] for b in ids], dim=1)[:, :n], torch.cat([cache_v[b] for b in ids], dim=1)[:, :n]
+        torch.testing.assert_close(out[i].double(), _oracle(query[i][:, None], k, v)[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_paged_decode_keeps_ragged_groups_and_unlike_caches_off_the_kernel(monkeypatch):
+    """3 query heads over 2 KV heads never reach the kernel (the reference refuses them by name); K and V caches of
+    different strides (not one pool's pair) run the reference, which reads them correctly."""
+    monkeypatch.setenv("MEMOS_REF_KERNELS", "interpret")
+    fake = FakeKernels()
+    monkeypatch.setattr(attention, "_triton", lambda: fake)
+    query, kc, vc, tables, lens, dense = _decode_inputs()
+    with pytest.raises(ShapeError, match=r"query heads \(3\) must be a multiple of KV heads \(2\)"):
+        attention.paged_decode(query[:, :3], kc, vc, tables, lens)
+    own_v = vc.contiguous()  # the same values, its own layout
+    assert own_v.stride() != kc.stride()
+    out = attention.paged_decode(query, kc, own_v, tables, lens)
+    assert fake.launches("paged_decode_attention") == []
+    for i, (k, v) in enumerate(dense):
+        torch.testing.assert_close(out[i].double(), _oracle(query[i][:, None], k, v)[:, 0], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ the torch reference (issue 30)
+def _qkv(hq: int, nq: int, h: int, s: int, d: int = 8, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(hq, nq, d, generator=gen),
+        torch.randn(h, s, d, generator=gen),
+        torch.randn(h, s, d, generator=gen),
+    )
+
+
+@pytest.mark.parametrize(
+    "hq, nq, h, opts",
+    [
+        (4, 2, 2, {}),  # two queries: the first must not see the newest key
+        (4, 2, 2, {"scale": 0.25}),
+        (4, 3, 2, {"per_head_mask": True}),  # [Hq, Q, S], a different pattern per query head
+        (2, 2, 1, {"shared_mask": True}),  # [Q, S] over one KV head
+        (4, 1, 2, {"sliding_window": 9}),  # a window as long as the context: every key
+    ],
+)
+def test_dense_attention_equals_the_written_out_oracle(hq, nq, h, opts):
+    """Causal GQA attention of the newest queries, with the scale asked for and masks per query head or shared,
+    is the float64 oracle."""
+    q, k, v = _qkv(hq, nq, h, 9, seed=nq + h)
+    opts = dict(opts)
+    gen = torch.Generator().manual_seed(3)
+    if opts.pop("per_head_mask", False):
+        opts["mask"] = torch.rand(hq, nq, 9, generator=gen) > 0.4
+        opts["mask"][:, :, 0] = True
+    if opts.pop("shared_mask", False):
+        opts["mask"] = torch.rand(nq, 9, generator=gen) > 0.4
+        opts["mask"][:, 0] = True
+    want = _oracle(
+        q,
+        k,
+        v,
+        **{**opts, "mask": opts["mask"][None] if "mask" in opts and opts["mask"].ndim == 2 else opts.get("mask")},
+    )
+    torch.testing.assert_close(dense_attention(q, k, v, **opts).double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_dense_attention_keeps_half_precision_values_and_runs_on_the_inputs_device():
+    """bfloat16 inputs give a bfloat16 result close to the oracle; on another device (``meta`` here, a GPU in use)
+    every intermediate — positions, mask, sinks — lives with the inputs."""
+    q, k, v = (x.to(torch.bfloat16) for x in _qkv(4, 2, 2, 6))
+    out = dense_attention(q, k, v)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), _oracle(q, k, v), atol=3e-2, rtol=3e-2)
+    q, k, v = (torch.empty(x.shape, device="meta") for x in _qkv(4, 2, 2, 6))
+    mask, sinks = torch.ones(2, 6, dtype=torch.bool, device="meta"), torch.zeros(4, device="meta")
+    for opts in ({}, {"sliding_window": 3}, {"mask": mask}, {"mask": mask.float()}, {"sinks": sinks}):
+        assert dense_attention(q, k, v, **opts).shape == (4, 2, 8)
+
+
+def test_a_non_finite_key_is_never_silently_dropped():
+    """With no mask and no window, an infinite key makes the output NaN (a poisoned cache shows), not a quiet zero."""
+    q, k, v = _qkv(4, 1, 2, 5)
+    k[0, 2] = float("inf")
+    assert torch.isnan(dense_attention(q, k, v)).any()
+
+
+def test_dense_attention_refuses_bad_arguments_by_name():
+    """Non-tensors are named; q, k, v of the wrong ranks or unlike shapes, and ragged query groups, are refused with
+    the shapes that were given; so is a mask of a shape that fits neither the queries nor the heads."""
+    q, k, v = _qkv(4, 2, 2, 6)
+    for name, args in (("k", (q, "x", v)), ("v", (q, k, "x"))):
+        with pytest.raises(ArgumentTypeError, match=rf"^{name}: expected Tensor, got str"):
+            dense_attention(*args)
+    with pytest.raises(ArgumentTypeError, match=r"^mask: expected Tensor, got str"):
+        dense_attention(q, k, v, mask="x")
+    bad = [(q, k, v[:, :5]), (q, k[None], v[None]), (q[None], k, v), (q[..., None], k, v)]
+    for a, b, c in bad:
+        with pytest.raises(ShapeError) as info:
+            dense_attention(a, b, c)
+        assert str(info.value) == (
+            f"expected q [Hq, Q, D] and k, v [H, S, D] of one D, got {tuple(a.shape)}, {tuple(b.shape)}, "
+            f"{tuple(c.shape)}"
+        )
+    with pytest.raises(ShapeError) as info:
+        dense_attention(q[:3], k, v)
+    assert str(info.value) == "query heads (3) must be a multiple of KV heads (2)"
+    with pytest.raises(ShapeError) as info:
+        dense_attention(q, k, v, mask=torch.zeros(3, 2, 6))
+    assert str(info.value) == "attention mask: expected [2, 6], [1, 2, 6] or [4, 2, 6] (queries, keys), got (3, 2, 6)"
+
+
+def _raw_pool(h: int = 2, t: int = 8, d: int = 8, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(6, h, t, d, generator=gen), torch.randn(6, h, t, d, generator=gen)
+
+
+def _rows(cache_k, cache_v, tables, lens):
+    out = []
+    for i, n in enumerate(lens.tolist()):
+        ids = [b for b in tables[i].tolist() if b >= 0]
+        out.append(
+            (torch.cat([cache_k[b] for b in ids], dim=1)[:, :n], torch.cat([cache_v[b] for b in ids], dim=1)[:, :n])
+        )
+    return out
+
+
+@pytest.mark.parametrize("nq, lens", [(2, [13, 13]), (2, [13, 10]), (1, [13, 10])])
+def test_paged_attention_of_full_rows_is_the_oracle_at_the_asked_scale(nq, lens):
+    """Rows that each hold every query (the batched path): causal within the new tokens, each row over its own
+    length, at the asked scale — the float64 oracle per row; a ragged query group is refused by name."""
+    cache_k, cache_v = _raw_pool()
+    tables, lens = torch.tensor([[4, 1], [0, 5]]), torch.tensor(lens)
+    query = torch.randn(2, 4, nq, 8, generator=torch.Generator().manual_seed(nq))
+    out = paged_attention(query, cache_k, cache_v, tables, lens, scale=0.4)
+    for i, (k, v) in enumerate(_rows(cache_k, cache_v, tables, lens)):
+        torch.testing.assert_close(out[i].double(), _oracle(query[i], k, v, scale=0.4), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ShapeError) as info:
+        paged_attention(query[:, :3], cache_k, cache_v, tables, lens)
+    assert str(info.value) == "query heads (3) must be a multiple of KV heads (2)"
+
+
+def test_paged_attention_runs_on_the_caches_device():
+    """Caches on another device (``meta`` here, a GPU in use) with host block tables and lengths: the rows' length
+    masks are moved to the caches' device."""
+    kc = torch.empty(6, 2, 8, 8, device="meta")
+    out = paged_attention(
+        torch.empty(2, 4, 1, 8, device="meta"), kc, kc, torch.tensor([[4, 1], [0, -1]]), torch.tensor([13, 6])
+    )
+    assert out.shape == (2, 4, 1, 8) and out.device.type == "meta"
+
+
+def _in_a_fresh_thread(fn):
+    """fn() run in a new thread (its own, still empty, scratch buffers); its result or its exception."""
+    box = {}
+
+    def run():
+        try:
+            box["out"] = fn()
+        except BaseException as exc:
+            box["exc"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    if "exc" in box:
+        raise box["exc"]
+    return box["out"]
+
+
+def test_reused_gathers_share_pages_grow_by_doubling_and_never_touch_an_unreused_result():
+    """gather_kv(reuse=True) fills this thread's scratch: a second gather of the same size lands in the same pages,
+    a larger one grows the buffer to at least twice its size (an empty one allocates nothing), a first use in
+    inference mode still gives buffers usable outside it; a gather without reuse owns its result, which later
+    reused gathers never overwrite."""
+    cache_k, cache_v = _raw_pool()
+    table = torch.tensor([4, 1, 0])
+
+    def scenario():
+        with torch.inference_mode():
+            gather_kv(cache_k, cache_v, table, 9, reuse=True)  # the first buffers are made in inference mode
+        empty = gather_kv(cache_k, cache_v, table, 0, reuse=True)
+        k1, v1 = gather_kv(cache_k, cache_v, table, 10, reuse=True)  # 2 blocks, as the first
+        ptrs = (k1.data_ptr(), v1.data_ptr())
+        k2, v2 = gather_kv(cache_k, cache_v, table, 16, reuse=True)
+        same = (k2.data_ptr(), v2.data_ptr()) == ptrs
+        k3, v3 = gather_kv(cache_k, cache_v, table, 17, reuse=True)  # 3 blocks: grown
+        sizes = (k3.untyped_storage().nbytes(), v3.untyped_storage().nbytes())
+        own_k, own_v = gather_kv(cache_k, cache_v, table, 17)
+        snapshot = (own_k.clone(), own_v.clone())
+        gather_kv(cache_v, cache_k, table, 17, reuse=True)  # K and V swapped into the scratch
+        kept = torch.equal(own_k, snapshot[0]) and torch.equal(own_v, snapshot[1])
+        return empty, same, sizes, kept, (own_k, own_v)
+
+    empty, same, sizes, kept, (own_k, own_v) = _in_a_fresh_thread(scenario)
+    assert [x.numel() for x in empty] == [0, 0] and same and kept
+    block_bytes = 2 * 8 * 8 * 4  # [H, T, D] float32
+    assert sizes == (4 * block_bytes, 4 * block_bytes)  # 2 blocks, then 3: doubled to 4
+    want_k = torch.cat([cache_k[b] for b in (4, 1, 0)], dim=1)[:, :17]
+    assert torch.equal(own_k, want_k) and torch.equal(own_v, torch.cat([cache_v[b] for b in (4, 1, 0)], dim=1)[:, :17])
+    k, v = _in_a_fresh_thread(lambda: gather_kv(cache_k, cache_v, table, 0, reuse=True))
+    assert k.untyped_storage().nbytes() == 0 and v.untyped_storage().nbytes() == 0
+
+
+# ------------------------------------------------------------------------------ attend_step and the switch
+def _reference_step(kind: str, n: int):
+    """Rows of LENS tokens (both layers) in a float pool of one segment, one of two segments whose rows live in
+    the second, or a per-token int8 pool; then a step of ``n`` new tokens with layer 0 written: (step, rows)."""
+    if kind == "segments":
+        kv = PagedKV(SPEC2, 1, prefix_caching=False)
+        kv.grow(11)  # every row's blocks come from the second segment
+    else:
+        kv = PagedKV(SPEC2, 12, prefix_caching=False, **({"quant": PerTokenInt8()} if kind == "int8" else {}))
+    gen = torch.Generator().manual_seed(21)
+    seqs = [kv.new_sequence() for _ in LENS]
+    for seq, length in zip(seqs, LENS, strict=True):
+        for layer in range(2):
+            seq.append(layer, torch.randn(2, length, 8, generator=gen), torch.randn(2, length, 8, generator=gen))
+    step = StepBatch.reserve(seqs, n)
+    write_step(step, 0, torch.randn(2, 2, n, 8, generator=gen), torch.randn(2, 2, n, 8, generator=gen))
+    return step, seqs
+
+
+@pytest.mark.parametrize("kind", ["float", "segments", "int8"])
+@pytest.mark.parametrize("nq", [1, 3])
+@pytest.mark.parametrize("feature", list(_features(1)))
+def test_attend_step_equals_attention_over_each_rows_own_tokens(monkeypatch, kind, nq, feature):
+    """A prepared step's queries attend over each row's own tokens (the step's new ones included) with the scale,
+    mask, window, softcap and sinks asked for, in any pool layout (the reference: MEMOS_REF_KERNELS=reference)."""
+    monkeypatch.setenv("MEMOS_REF_KERNELS", "reference")
+    step, seqs = _reference_step(kind, nq)
+    opts = _features(nq)[feature]
+    if "mask" in opts:  # the mask spans the step's longest row
+        opts = {"mask": torch.cat([opts["mask"], opts["mask"][..., -nq:]], dim=-1)}
+    query = torch.randn(2, 4, nq, 8, generator=torch.Generator().manual_seed(9))
+    got = attend_step(query, step, 0, **opts)
+    for i, (seq, n) in enumerate(zip(seqs, LENS, strict=True)):
+        k, v = seq.to_dense(0)
+        row = dict(opts)
+        if "mask" in opts:
+            row["mask"] = opts["mask"][i if opts["mask"].shape[0] > 1 else 0, :, :, : n + nq]
+        torch.testing.assert_close(got[i].double(), _oracle(query[i], k, v, **row), atol=1e-5, rtol=1e-5)
+
+
+def test_attend_step_refuses_a_query_that_is_not_the_steps(monkeypatch):
+    """attend_step names a non-tensor query, and refuses one whose batch, rank or query count is not the step's,
+    saying what it expected."""
+    monkeypatch.setenv("MEMOS_REF_KERNELS", "reference")
+    step, _ = _reference_step("float", 1)
+    with pytest.raises(ArgumentTypeError, match=r"^query: expected Tensor, got str"):
+        attend_step("q", step, 0)
+    for bad in (torch.randn(3, 4, 1, 8), torch.randn(2, 4, 2, 8), torch.randn(2, 4, 1), torch.randn(1, 4, 1, 8)):
+        with pytest.raises(ShapeError) as info:
+            attend_step(bad, step, 0)
+        assert str(info.value) == f"query: expected [2, q_heads, 1, head_dim], got {tuple(bad.shape)}"
+
+
+@pytest.mark.parametrize("opts", [{"sliding_window": 4}, {"softcap": 1.0}, {"mask": "trivial"}, {"dtype": "half"}])
+def test_a_decode_step_with_a_feature_or_another_dtype_skips_the_kernel(monkeypatch, opts):
+    """A decode step with a window or softcap, or whose query dtype is not the pool's, runs the reference (the
+    kernels have none of these); an all-True bool mask is no mask at all and keeps the kernel."""
+    fake = FakeKernels()
+    monkeypatch.setenv("MEMOS_REF_KERNELS", "interpret")
+    monkeypatch.setattr(attention, "_triton", lambda: fake)
+    step, seqs = _reference_step("float", 1)
+    query = torch.randn(2, 4, 1, 8, generator=torch.Generator().manual_seed(2))
+    if opts.get("mask") == "trivial":
+        opts = {"mask": torch.ones(2, 1, 1, max(LENS) + 1, dtype=torch.bool)}
+    if opts.get("dtype") == "half":
+        with pytest.raises(RuntimeError):  # the reference refuses mixed dtypes; the kernel was never asked
+            attend_step(query.double(), step, 0)
+        assert fake.launches("paged_decode_attention") == []
+        return
+    got = attend_step(query, step, 0, **opts)
+    assert len(fake.launches("paged_decode_attention")) == (1 if "mask" in opts else 0)
+    for i, seq in enumerate(seqs):
+        k, v = seq.to_dense(0)
+        want = _oracle(query[i], k, v, **{key: val for key, val in opts.items() if key != "mask"})
+        torch.testing.assert_close(got[i].double(), want, atol=1e-5, rtol=1e-5)
+
+
+class _RaisingTriton:
+    def __call__(self):
+        raise BackendUnavailableError("Triton is not installed")
+
+
+@pytest.mark.parametrize(
+    "mode, device, triton_ok, want",
+    [
+        ("reference", "cuda", True, False),
+        ("interpret", "cpu", True, True),
+        ("triton", "cuda", True, True),
+        ("auto", "cuda", True, True),
+        ("auto", "cuda", False, False),
+        ("auto", "cpu", True, False),
+    ],
+)
+def test_use_kernels_follows_the_mode_and_the_device(monkeypatch, mode, device, triton_ok, want):
+    """reference: never; interpret: always; triton: CUDA tensors; auto: CUDA tensors when Triton imports."""
+    monkeypatch.setenv("MEMOS_REF_KERNELS", mode)
+    monkeypatch.setattr(attention, "_triton", (lambda: FakeKernels()) if triton_ok else _RaisingTriton())
+    assert attention.use_kernels(torch.device(device)) is want
+
+
+def test_the_triton_mode_on_cpu_tensors_and_an_unknown_mode_are_refused_by_name(monkeypatch):
+    """MEMOS_REF_KERNELS=triton with CPU tensors says to use interpret; an unknown mode lists the valid ones."""
+    monkeypatch.setenv("MEMOS_REF_KERNELS", "triton")
+    with pytest.raises(ConfigError) as info:
+        attention.use_kernels(torch.device("cpu"))
+    assert str(info.value) == "MEMOS_REF_KERNELS=triton needs CUDA tensors; use interpret on the CPU"
+    monkeypatch.setenv("MEMOS_REF_KERNELS", "gpu")
+    with pytest.raises(ConfigError) as info:
+        attention.kernel_mode()
+    assert str(info.value) == f"MEMOS_REF_KERNELS must be one of {attention.MODES}, got 'gpu'"
+
+
+class _Bare:
+    """A duck-typed pool whose scheme and self may lack the optional attributes step_path reads."""
+
+    def __init__(self, scheme: dict, **attrs) -> None:
+        self.spec, self.device, self.segments, self.quantized = SPEC2_16, torch.device("cpu"), [None], True
+        self.scheme = type("Scheme", (), scheme)()
+        self.__dict__.update(attrs)
+
+
+@pytest.mark.parametrize(
+    "scheme, attrs, path",
+    [
+        ({}, {}, "reference"),  # a scheme with no name
+        ({"name": "int8_token"}, {}, "reference"),  # not said to be streaming: it may stage
+        ({"name": "int8_token"}, {"streaming": True}, "int8"),
+        ({"name": "kivi2"}, {}, "reference"),  # no group size
+        ({"name": "int8_tensor", "group_size": 16}, {"streaming": True}, "reference"),  # a group, but not KIVI
+    ],
+)
+def test_step_path_reads_only_what_a_pool_says(monkeypatch, scheme, attrs, path):
+    """A pool's missing attributes mean 'no': no name, not streaming, no group size — the reference."""
+    monkeypatch.setenv("MEMOS_REF_KERNELS", "interpret")
+    step = type("Step", (), {"notes": {}, "pool": _Bare(scheme, **attrs)})()
+    assert attention.step_path(step) == path
+
+
+def test_the_path_is_decided_once_per_step(monkeypatch):
+    """Every layer of a step takes the path chosen at its first call, even if MEMOS_REF_KERNELS changes meanwhile."""
+    monkeypatch.setenv("MEMOS_REF_KERNELS", "interpret")
+    step, _ = _reference_step("float", 1)
+    assert attention.step_path(step) == "plain"
+    monkeypatch.setenv("MEMOS_REF_KERNELS", "reference")
+    assert attention.step_path(step) == "plain"
+
+
+def test_paged_attention_refuses_bad_arguments_by_name():
+    """Each non-tensor argument, a query that is not 4-D, caches of unlike shapes or another head dim, tables or
+    lengths of another batch, non-integer indices and a mask that fits neither batch, queries nor the longest row:
+    each refused naming the argument, expected vs actual."""
+    cache_k, cache_v = _raw_pool()
+    args = {
+        "query": torch.randn(2, 4, 2, 8),
+        "key_cache": cache_k,
+        "value_cache": cache_v,
+        "block_tables": torch.tensor([[4, 1], [0, 5]]),
+        "seq_lens": torch.tensor([13, 10]),
+    }
+    for name in args:
+        with pytest.raises(ArgumentTypeError, match=rf"^{name}: expected Tensor, got int"):
+            paged_attention(**{**args, name: 3})
+    bad = torch.randn(2, 4, 8)
+    with pytest.raises(ShapeError) as info:
+        paged_attention(**{**args, "query": bad})
+    assert str(info.value) == "query: expected [batch, q_heads, queries, head_dim], got (2, 4, 8)"
+    for k, v in ((cache_k, cache_v[:5]), (cache_k[..., :4], cache_v[..., :4]), (cache_k[0], cache_v[0])):
+        with pytest.raises(ShapeError) as info:
+            paged_attention(**{**args, "key_cache": k, "value_cache": v})
+        assert str(info.value) == (
+            f"key/value caches must both be [num_blocks, kv_heads, block_size, head_dim=8], got {tuple(k.shape)} "
+            f"and {tuple(v.shape)}"
+        )
+    for tables, lens in (
+        (args["block_tables"][:1], args["seq_lens"]),
+        (args["block_tables"], args["seq_lens"][:1]),
+        (args["block_tables"][0], args["seq_lens"]),
+        (args["block_tables"][None], args["seq_lens"]),
+    ):
+        with pytest.raises(ShapeError) as info:
+            paged_attention(**{**args, "block_tables": tables, "seq_lens": lens})
+        assert str(info.value) == (
+            f"block_tables [2, *] and seq_lens [2] expected, got {tuple(tables.shape)} and {tuple(lens.shape)}"
+        )
+    for name in ("block_tables", "seq_lens", "query_lens"):
+        value = args.get(name, torch.tensor([2, 2])).float()
+        with pytest.raises(ArgumentTypeError) as info:
+            paged_attention(**{**args, name: value})
+        assert str(info.value) == f"{name}: expected an integer tensor, got dtype torch.float32"
+    for mask in (torch.zeros(2, 1, 2, 12), torch.zeros(3, 1, 2, 13), torch.zeros(2, 1, 1, 13), torch.zeros(1, 2, 13)):
+        with pytest.raises(ShapeError) as info:
+            paged_attention(**args, mask=mask)
+        assert str(info.value) == (
+            f"mask: expected [2, 1 or 4, 2, >= 13] (batch, heads, queries, keys), got {tuple(mask.shape)}"
+        )
+    with pytest.raises(ArgumentTypeError, match=r"^mask: expected Tensor, got str"):
+        paged_attention(**args, mask="x")
+
+
+def test_paged_attention_with_ragged_query_counts_fills_only_each_rows_queries():
+    """query_lens: row b's first query_lens[b] rows are its newest tokens (the oracle over its own keys), the rows
+    past them are zero, an empty row is all zero; more queries than tokens is refused by row."""
+    cache_k, cache_v = _raw_pool(seed=4)
+    tables, lens = torch.tensor([[4, 1], [0, 5], [2, -1]]), torch.tensor([13, 10, 0])
+    query = torch.randn(3, 4, 3, 8, generator=torch.Generator().manual_seed(8))
+    qlens = torch.tensor([3, 1, 0])
+    out = paged_attention(query, cache_k, cache_v, tables, lens, query_lens=qlens, scale=0.5)
+    rows = _rows(cache_k, cache_v, tables[:2], lens[:2])
+    for i, (k, v) in enumerate(rows):
+        n = int(qlens[i])
+        torch.testing.assert_close(
+            out[i, :, :n].double(), _oracle(query[i, :, :n], k, v, scale=0.5), atol=1e-5, rtol=1e-5
+        )
+        assert not out[i, :, n:].any()
+    assert not out[2].any()
+    with pytest.raises(ShapeError) as info:
+        paged_attention(query, cache_k, cache_v, tables, torch.tensor([13, 2, 0]), query_lens=torch.tensor([3, 3, 0]))
+    assert str(info.value) == "sequence 1: 3 queries but 2 tokens (and Q=3)"
+    with pytest.raises(ShapeError) as info:
+        paged_attention(query, cache_k, cache_v, tables, lens, query_lens=torch.tensor([4, 1, 0]))
+    assert str(info.value) == "sequence 0: 4 queries but 13 tokens (and Q=3)"
