@@ -848,3 +848,38 @@ class _Listing(list):
 
     def __exit__(self, *exc):
         return False
+
+
+def test_an_unreadable_root_or_root_entry_is_counted_not_raised(tmp_path, monkeypatch):
+    """A root that cannot be listed: an empty backend, counted ``errors``. A root entry under a shard name whose
+    type cannot be read is not taken for a shard: counted ``unsafe``, never scanned."""
+    root = tmp_path / "d"
+    _block_file(root, "ab01", b"1")
+    real = os.scandir
+
+    def unreadable(path="."):
+        if isinstance(path, int):
+            return real(path)
+        raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+
+    monkeypatch.setattr(os, "scandir", unreadable)
+    backend = DiskBackend(root, 100)
+    monkeypatch.undo()
+    assert backend.keys() == [] and _stats(backend) == {"errors": 1}
+    backend.close()
+
+    class Unknown:
+        name = "zz"
+
+        def is_dir(self, *, follow_symlinks=True):
+            raise OSError(errno.EIO, "I/O error", self.name)
+
+    def with_unknown(path="."):
+        with real(path) as it:
+            entries = list(it)
+        return _Listing(entries if isinstance(path, int) else [Unknown(), *entries])
+
+    monkeypatch.setattr(os, "scandir", with_unknown)
+    backend = DiskBackend(root, 100)
+    monkeypatch.undo()
+    assert backend.keys() == ["ab01"] and _stats(backend) == {"unsafe": 1, "blocks": 1, "bytes": 1}
