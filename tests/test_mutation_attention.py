@@ -577,7 +577,7 @@ def test_dense_attention_keeps_half_precision_values_and_runs_on_the_inputs_devi
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), _oracle(q, k, v), atol=3e-2, rtol=3e-2)
     q, k, v = (torch.empty(x.shape, device="meta") for x in _qkv(4, 2, 2, 6))
-    mask, sinks = torch.ones(2, 6, dtype=torch.bool, device="meta"), torch.zeros(4, device="meta")
+    mask, sinks = torch.rand(2, 6) > 0.5, torch.zeros(4)  # on the host: moved to the inputs' device
     for opts in ({}, {"sliding_window": 3}, {"mask": mask}, {"mask": mask.float()}, {"sinks": sinks}):
         assert dense_attention(q, k, v, **opts).shape == (4, 2, 8)
 
@@ -686,6 +686,7 @@ def test_reused_gathers_share_pages_grow_by_doubling_and_never_touch_an_unreused
         empty = gather_kv(cache_k, cache_v, table, 0, reuse=True)
         k1, v1 = gather_kv(cache_k, cache_v, table, 10, reuse=True)  # 2 blocks, as the first
         ptrs = (k1.data_ptr(), v1.data_ptr())
+        fitted = (k1.untyped_storage().nbytes(), v1.untyped_storage().nbytes())  # the first size, kept
         k2, v2 = gather_kv(cache_k, cache_v, table, 16, reuse=True)
         same = (k2.data_ptr(), v2.data_ptr()) == ptrs
         k3, v3 = gather_kv(cache_k, cache_v, table, 17, reuse=True)  # 3 blocks: grown
@@ -694,7 +695,7 @@ def test_reused_gathers_share_pages_grow_by_doubling_and_never_touch_an_unreused
         snapshot = (own_k.clone(), own_v.clone())
         gather_kv(cache_v, cache_k, table, 17, reuse=True)  # K and V swapped into the scratch
         kept = torch.equal(own_k, snapshot[0]) and torch.equal(own_v, snapshot[1])
-        return empty, same, sizes, kept, (own_k, own_v)
+        return empty, same and fitted == (2 * 2 * 8 * 8 * 4,) * 2, sizes, kept, (own_k, own_v)
 
     empty, same, sizes, kept, (own_k, own_v) = _in_a_fresh_thread(scenario)
     assert [x.numel() for x in empty] == [0, 0] and same and kept
@@ -927,3 +928,76 @@ def test_paged_attention_with_ragged_query_counts_fills_only_each_rows_queries()
     with pytest.raises(ShapeError) as info:
         paged_attention(query, cache_k, cache_v, tables, lens, query_lens=torch.tensor([4, 1, 0]))
     assert str(info.value) == "sequence 0: 4 queries but 13 tokens (and Q=3)"
+
+
+def test_attention_options_are_checked_by_name_before_anything_is_computed():
+    """scale, sliding_window, softcap and sinks of the wrong type or out of range are refused naming the option,
+    expected vs actual; the smallest valid values (a window of 1, a tiny softcap, an int scale) are accepted."""
+    q, k, v = _qkv(4, 1, 2, 5)
+    type_errors = {
+        "scale": ("x", "scale: expected int or float, got str ('x')"),
+        "sliding_window": (2.0, "sliding_window: expected int, got float (2.0)"),
+        "softcap": ("x", "softcap: expected int or float, got str ('x')"),
+        "sinks": ([0.0] * 4, "sinks: expected Tensor, got list ([0.0, 0.0, 0.0, 0.0])"),
+    }
+    for name, (value, message) in type_errors.items():
+        with pytest.raises(ArgumentTypeError) as info:
+            dense_attention(q, k, v, **{name: value})
+        assert str(info.value) == message
+    with pytest.raises(ArgumentTypeError, match=r"^sliding_window: expected int, got bool"):
+        dense_attention(q, k, v, sliding_window=True)
+    for window in (0, -2):
+        with pytest.raises(InvalidArgumentError) as info:
+            dense_attention(q, k, v, sliding_window=window)
+        assert str(info.value) == f"sliding_window: expected a positive int (keys kept), got {window}"
+    for cap in (0.0, -1.0, float("nan")):
+        with pytest.raises(InvalidArgumentError) as info:
+            dense_attention(q, k, v, softcap=cap)
+        assert str(info.value) == f"softcap: expected a positive float, got {cap}"
+    with pytest.raises(ShapeError) as info:
+        dense_attention(q, k, v, sinks=torch.zeros(2))
+    assert str(info.value) == "sinks: expected one logit per query head [4], got (2,)"
+    out = dense_attention(q, k, v, scale=1, sliding_window=1, softcap=1e-3)
+    torch.testing.assert_close(
+        out.double(), _oracle(q, k, v, scale=1, sliding_window=1, softcap=1e-3), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_paged_attention_edge_batches_and_options():
+    """An empty batch (with a mask) gives an empty result; a row with no tokens gets zeros while the others are
+    the oracle; query_lens all equal to Q is the same as none, ragged ones leave the rows past them zero; bool
+    indices, a 5-D mask and each bad option are refused by name."""
+    cache_k, cache_v = _raw_pool(seed=6)
+    q0 = torch.randn(0, 4, 2, 8)
+    empty = paged_attention(
+        q0, cache_k, cache_v, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+        mask=torch.zeros(1, 1, 2, 0),
+    )  # fmt: skip
+    assert empty.shape == (0, 4, 2, 8)
+    tables, lens = torch.tensor([[4, 1], [0, 5]]), torch.tensor([13, 0])
+    query = torch.randn(2, 4, 2, 8, generator=torch.Generator().manual_seed(6))
+    out = paged_attention(query, cache_k, cache_v, tables, lens)
+    (k, v), _ = _rows(cache_k, cache_v, tables, torch.tensor([13, 1]))
+    torch.testing.assert_close(out[0].double(), _oracle(query[0], k, v), atol=1e-5, rtol=1e-5)
+    assert not out[1].any()
+    lens = torch.tensor([13, 10])
+    full = paged_attention(query, cache_k, cache_v, tables, lens, query_lens=torch.tensor([2, 2]))
+    torch.testing.assert_close(full, paged_attention(query, cache_k, cache_v, tables, lens), atol=1e-6, rtol=1e-6)
+    ragged = paged_attention(query, cache_k, cache_v, tables, lens, query_lens=torch.tensor([2, 1]))
+    assert not ragged[1, :, 1:].any()
+    (_, _), (k, v) = _rows(cache_k, cache_v, tables, lens)
+    torch.testing.assert_close(ragged[1, :, :1].double(), _oracle(query[1, :, :1], k, v), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ArgumentTypeError) as info:
+        paged_attention(query, cache_k, cache_v, tables, lens.bool())
+    assert str(info.value) == "seq_lens: expected an integer tensor, got dtype torch.bool"
+    with pytest.raises(ShapeError, match=r"^mask: expected \[2, 1 or 4, 2, >= 13\]"):
+        paged_attention(query, cache_k, cache_v, tables, lens, mask=torch.zeros(2, 1, 2, 13, 1))
+    bad_options = (
+        ({"scale": "x"}, ArgumentTypeError, "^scale: "),
+        ({"sliding_window": 0}, InvalidArgumentError, "^sliding_window: "),
+        ({"softcap": -1.0}, InvalidArgumentError, "^softcap: "),
+        ({"sinks": torch.zeros(3)}, ShapeError, "^sinks: "),
+    )
+    for opts, error, match in bad_options:
+        with pytest.raises(error, match=match):
+            paged_attention(query, cache_k, cache_v, tables, lens, **opts)
