@@ -998,6 +998,8 @@ def test_paged_attention_edge_batches_and_options():
         ({"softcap": -1.0}, InvalidArgumentError, "^softcap: "),
         ({"sinks": torch.zeros(3)}, ShapeError, "^sinks: "),
     )
+    no_rows = (q0, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, dtype=torch.long))
     for opts, error, match in bad_options:
-        with pytest.raises(error, match=match):
-            paged_attention(query, cache_k, cache_v, tables, lens, **opts)
+        for q, t, n in ((query, tables, lens), no_rows):  # refused even when no row would use the option
+            with pytest.raises(error, match=match):
+                paged_attention(q, cache_k, cache_v, t, n, **opts)
