@@ -928,6 +928,11 @@ def test_paged_attention_with_ragged_query_counts_fills_only_each_rows_queries()
     with pytest.raises(ShapeError) as info:
         paged_attention(query, cache_k, cache_v, tables, lens, query_lens=torch.tensor([4, 1, 0]))
     assert str(info.value) == "sequence 0: 4 queries but 13 tokens (and Q=3)"
+    whole = paged_attention(
+        query, cache_k, cache_v, tables, torch.tensor([13, 3, 0]), query_lens=torch.tensor([1, 3, 0])
+    )
+    (k, v) = _rows(cache_k, cache_v, tables[1:2], torch.tensor([3]))[0]  # a row whose queries are all its tokens
+    torch.testing.assert_close(whole[1].double(), _oracle(query[1], k, v), atol=1e-5, rtol=1e-5)
 
 
 def test_attention_options_are_checked_by_name_before_anything_is_computed():
