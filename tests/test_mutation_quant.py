@@ -71,3 +71,280 @@ def test_a_whole_block_written_from_offset_zero_into_a_sealed_block_needs_no_dec
         now = pool.read_blocks(torch.tensor([0]), layer)  # [1, 2, H, T, D]
         torch.testing.assert_close(now[..., :5, :], sealed[layer][..., :5, :])  # decoded, kept exactly
         torch.testing.assert_close(now[0, 0, :, 5:8], tail[0].transpose(0, 1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Codec / scheme contracts, each against the format's definition (issue 30: the quant modules' surviving mutants).
+# ----------------------------------------------------------------------------------------------------------------
+
+from memos_ref.errors import ArgumentTypeError, ConfigError, InvalidArgumentError, ShapeError  # noqa: E402
+from memos_ref.quant import Float16, PerTensorInt8, fitting_scale, pack, unpack  # noqa: E402
+from memos_ref.quant.base import Quantizer, check_bits, check_kind, check_kv_tensor, check_qtensor  # noqa: E402
+from memos_ref.quant.codec import BlockCodec  # noqa: E402
+
+CPU, META = torch.device("cpu"), torch.device("meta")
+L, H, D = SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim
+
+
+def _blocks(m, gen, amp=1.0):
+    """Full-precision blocks ``kv [m, L, 2, H, T, D]``."""
+    return amp * torch.randn(m, L, 2, H, T, D, generator=gen)
+
+
+@pytest.mark.parametrize("scheme", [Float16(), PerTokenInt8(), FP8E4M3(), PerTensorInt8(0.05)], ids=str)
+def test_a_codec_allocates_its_payload_on_the_pools_device(scheme):
+    """A pool on a device gets its codec's payload (codes and scales) and per-tensor scales on that device, not on
+    the default one (checked with the ``meta`` device, which no default ever is)."""
+    codec = scheme.codec(SPEC, META)
+    assert codec.device == META and codec.scheme is scheme
+    for name, t in codec.allocate(2).items():
+        assert t.device == META, name
+    if codec.layer_scales is not None:
+        assert codec.layer_scales.device == META
+    pool = scheme.build_pool(SPEC, 4, device=META)
+    assert pool.device == META and pool.staging.device == META
+
+
+def test_build_pool_defaults_to_the_cpu():
+    """``build_pool`` without a device builds a CPU pool."""
+    pool = Float16().build_pool(SPEC, 3)
+    assert pool.device == CPU and pool.staging.device == CPU
+
+
+@pytest.mark.parametrize("scheme", [Float16(), PerTokenInt8(), FP8E4M3()], ids=str)
+def test_a_scheme_without_per_tensor_scales_holds_no_extra_bytes(scheme):
+    """``extra_nbytes`` is 0 for a scheme with no per-tensor scales, and a per-tensor scheme holds its [L, 2]
+    float32 scales (8 bytes per layer)."""
+    assert scheme.codec(SPEC, CPU).layer_scales is None
+    assert scheme.codec(SPEC, CPU).extra_nbytes == 0
+    assert PerTensorInt8(0.1).codec(SPEC, CPU).extra_nbytes == L * 2 * 4
+
+
+def test_bytes_per_block_follow_each_format():
+    """One sealed block's bytes, from each format's definition: fp16 2 B/value; int8 per token 1 B/value plus an
+    fp16 scale per (layer, K/V, head, token); fp8 1 B/value plus an fp32 scale per (layer, K/V, head); int8 per
+    tensor 1 B/value (its scales are outside the blocks)."""
+    values = L * 2 * H * T * D
+    assert Float16().codec(SPEC, CPU).bytes_per_block() == 2 * values
+    assert PerTokenInt8().codec(SPEC, CPU).bytes_per_block() == values + 2 * L * 2 * H * T
+    assert FP8E4M3().codec(SPEC, CPU).bytes_per_block() == values + 4 * L * 2 * H
+    assert PerTensorInt8(0.1).codec(SPEC, CPU).bytes_per_block() == values
+
+
+def test_bytes_per_token_follow_each_format():
+    """Stored bytes per token for keys and values of one layer: fp16 2·2·H·D, int8/fp8 2·H·D (per-tensor or
+    per-block scales negligible), int8 per token 2·H·(D + 2) (an fp16 scale per head)."""
+    h, d = 3, 16
+    assert Float16().bytes_per_token(h, d) == 4.0 * h * d
+    assert PerTensorInt8().bytes_per_token(h, d) == 2.0 * h * d
+    assert FP8E4M3().bytes_per_token(h, d) == 2.0 * h * d
+    assert PerTokenInt8().bytes_per_token(h, d) == 2.0 * h * (d + 2)
+
+
+def test_a_block_only_codec_refuses_token_writes_naming_the_scheme():
+    """A codec that cannot stream refuses a token write with a ConfigError that names its scheme."""
+    codec = BlockCodec(Float16(), SPEC, CPU)
+    with pytest.raises(ConfigError, match=r"^fp16 blocks cannot be written token by token"):
+        codec.write({}, 0, 0, torch.tensor([0]), torch.tensor([0]), torch.zeros(1, H, D))
+
+
+def test_poison_makes_only_that_blocks_scales_nan():
+    """Debug poisoning sets every scale of the block to NaN (so it decodes to NaN), leaves its codes and the other
+    blocks as they were; a scheme with no scales (fp16) is left exactly as is."""
+    gen = torch.Generator().manual_seed(5)
+    codec = PerTokenInt8().codec(SPEC, CPU)
+    payload = codec.allocate(3)
+    codec.encode(payload, torch.arange(3), _blocks(3, gen))
+    before = {k: v.clone() for k, v in payload.items()}
+    codec.poison(payload, 1)
+    assert torch.isnan(payload["scale"][1].float()).all()
+    torch.testing.assert_close(payload["scale"][[0, 2]], before["scale"][[0, 2]])
+    assert torch.equal(payload["codes"], before["codes"])
+    assert torch.isnan(codec.decode(payload, torch.tensor([1]), 0)).all()
+    f16 = Float16().codec(SPEC, CPU)
+    p16 = f16.allocate(2)
+    f16.encode(p16, torch.arange(2), _blocks(2, gen))
+    kept = p16["codes"].clone()
+    f16.poison(p16, 0)
+    assert torch.equal(p16["codes"], kept)
+
+
+# -- fp16 ---------------------------------------------------------------------------------------------------------
+
+
+def test_fp16_quantize_is_a_plain_cast_with_unit_scale():
+    """fp16 ``quantize`` (default kind: key) stores the fp16 cast, a unit scale and the input's shape; it
+    dequantizes to the cast exactly, and counts only the codes' bytes."""
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    q = Float16().quantize(x)
+    assert q.data.dtype == torch.float16 and torch.equal(q.data, x.to(torch.float16))
+    assert float(q.scale) == 1.0 and q.shape == (2, 5, 16)
+    assert q.nbytes == 2 * x.numel()
+    assert torch.equal(Float16().dequantize(q), x.to(torch.float16).float())
+    assert Float16().quantize(x, "value").shape == (2, 5, 16)
+
+
+def test_fp16_codec_writes_encodes_and_exposes_the_plain_cache():
+    """fp16 blocks: a token write casts in place and reports nothing clipped or rescaled; ``encode`` casts whole
+    blocks (0 clipped); ``kernel_args`` are the layer's key and value caches ``[N, H, T, D]`` as views."""
+    gen = torch.Generator().manual_seed(2)
+    codec = Float16().codec(SPEC, CPU)
+    payload = codec.allocate(3)
+    kv = _blocks(2, gen)
+    assert codec.encode(payload, torch.tensor([0, 2]), kv) == 0
+    assert torch.equal(payload["codes"][[0, 2]], kv.to(torch.float16))
+    torch.testing.assert_close(codec.decode(payload, torch.tensor([2]), 1), kv[1:2, 1].to(torch.float16).float())
+    x = torch.randn(2, H, D, generator=gen)
+    assert codec.write(payload, 1, 0, torch.tensor([1, 1]), torch.tensor([3, 4]), x) == (0, 0)
+    assert torch.equal(payload["codes"][1, 1, 0, :, 3:5], x.transpose(0, 1).to(torch.float16))
+    for layer in range(L):
+        args = codec.kernel_args(payload, layer)
+        assert set(args) == {"key_cache", "value_cache"}
+        assert torch.equal(args["key_cache"], payload["codes"][:, layer, 0])
+        assert torch.equal(args["value_cache"], payload["codes"][:, layer, 1])
+        assert args["key_cache"].shape == (3, H, T, D) and args["key_cache"].dtype == torch.float16
+        assert args["key_cache"].data_ptr() == payload["codes"][:, layer, 0].data_ptr()  # a view
+
+
+# -- int8 per tensor ----------------------------------------------------------------------------------------------
+
+
+def test_int8_tensor_scale_must_be_a_positive_finite_number_and_names_the_scheme():
+    """A fixed scale is a positive finite number (a wrong type is refused naming ``scale``); the scheme's name says
+    whether it is fixed or calibrated."""
+    with pytest.raises(ArgumentTypeError, match=r"^scale: "):
+        PerTensorInt8("0.1")
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ConfigError):
+            PerTensorInt8(bad)
+    assert PerTensorInt8().name == "int8_tensor" and PerTensorInt8(0.1).name == "int8_tensor_fixed0.1"
+
+
+def test_int8_tensor_quantize_is_round_half_even_of_x_over_the_scale_clamped_to_127():
+    """Codes are round-half-even(x / scale) clamped to ±127; the shape is kept; a value clips only when |x/scale|
+    is beyond 127.5 (127.5 itself rounds to 128 -> 127 but is counted as in range)."""
+    s = 0.5
+    x = torch.tensor([0.25, 0.75, -0.25, 63.75, 63.0, -70.0, 64.0, 63.75]).reshape(1, 2, 4)  # /s: .5 1.5 -.5 127.5 ..
+    q = PerTensorInt8(s).quantize(x)
+    want = torch.tensor([0, 2, 0, 127, 126, -127, 127, 127], dtype=torch.int8).reshape(1, 2, 4)
+    assert torch.equal(q.data, want) and q.shape == (1, 2, 4)
+    assert q.meta["clipped"] == 2  # -140 and 128, never the 127.5s
+    codes, clipped = PerTensorInt8.encode_with(torch.tensor([128.5, 128.4, 127.6]), 1.0)
+    assert clipped == 3 and codes.tolist() == [127, 127, 127]
+
+
+def test_int8_tensor_codec_needs_calibrated_scales_of_the_right_shape():
+    """A calibrated per-tensor codec needs ``layer_scales [L, 2]``: missing -> ConfigError naming quant.calibrate,
+    wrong shape -> ShapeError naming expected and actual; the scales are kept as float32 on the codec's device, and
+    a fixed scheme fills them with its scale."""
+    with pytest.raises(ConfigError, match=r"^a calibrated PerTensorInt8 needs layer_scales \[L, 2\]"):
+        PerTensorInt8().codec(SPEC, CPU)
+    with pytest.raises(ShapeError, match=rf"^layer_scales must be \[{L}, 2\], got \(2, {L}, 1\)$"):
+        PerTensorInt8().codec(SPEC, CPU, torch.ones(2, L, 1))
+    codec = PerTensorInt8().codec(SPEC, META, torch.ones(L, 2, dtype=torch.float64))
+    assert codec.scheme.name == "int8_tensor"
+    assert codec.layer_scales.device == META and codec.layer_scales.dtype == torch.float32
+    assert torch.equal(PerTensorInt8(0.25).codec(SPEC, CPU).layer_scales, torch.full((L, 2), 0.25))
+
+
+def test_int8_tensor_codec_encodes_writes_and_exposes_codes_and_scales():
+    """Blocks are coded under their (layer, K/V) scale: ``encode`` stores round(kv / scale) clamped to ±127 and
+    counts the clipped values; a token write reports its clipped count and no rescale; ``kernel_args`` are the
+    layer's key/value codes ``[N, H, T, D]`` (views) and its two float scales."""
+    gen = torch.Generator().manual_seed(7)
+    scales = torch.tensor([[0.01, 0.02], [0.03, 0.04]])
+    codec = PerTensorInt8().codec(SPEC, CPU, scales)
+    payload = codec.allocate(3)
+    kv = _blocks(2, gen)
+    want = (kv / scales[None, :, :, None, None, None]).round().clamp(-127, 127).to(torch.int8)
+    n_clip = int(((kv / scales[None, :, :, None, None, None]).abs() > 127.5).sum())
+    assert n_clip > 0
+    assert codec.encode(payload, torch.tensor([2, 0]), kv) == n_clip
+    assert torch.equal(payload["codes"][[2, 0]], want)
+    assert not payload["codes"][1].any()
+    torch.testing.assert_close(
+        codec.decode(payload, torch.tensor([0]), 1), want[1:2, 1].float() * scales[1][None, :, None, None, None]
+    )
+    x = torch.tensor([[[3.0] * D] * H, [[0.001] * D] * H])  # [2, H, D]: the first clips under 0.02
+    assert codec.write(payload, 0, 1, torch.tensor([1, 1]), torch.tensor([0, 1]), x) == (H * D, 0)
+    assert (payload["codes"][1, 0, 1, :, 0] == 127).all() and (payload["codes"][1, 0, 1, :, 1] == 0).all()
+    for layer in range(L):
+        args = codec.kernel_args(payload, layer)
+        assert set(args) == {"key_codes", "value_codes", "key_scale", "value_scale"}
+        assert torch.equal(args["key_codes"], payload["codes"][:, layer, 0])
+        assert torch.equal(args["value_codes"], payload["codes"][:, layer, 1])
+        assert args["key_codes"].data_ptr() == payload["codes"][:, layer, 0].data_ptr()
+        assert args["key_scale"] == pytest.approx(float(scales[layer, 0]))
+        assert args["value_scale"] == pytest.approx(float(scales[layer, 1]))
+        assert isinstance(args["key_scale"], float)
+
+
+# -- base: checks, packing, the fitting scale, the Quantizer interface ---------------------------------------------
+
+
+def test_argument_checks_name_the_argument():
+    """Each check refuses a wrong type with an ArgumentTypeError that names the argument (``x``, ``bits``, ``q``,
+    ``codes``, ``packed``), and a wrong kind with one naming both kinds and the value given."""
+    for call, name in (
+        (lambda: check_kv_tensor([1.0]), "x"),
+        (lambda: check_bits(4.0), "bits"),
+        (lambda: check_qtensor(torch.zeros(1)), "q"),
+        (lambda: pack([1], 4), "codes"),
+        (lambda: unpack([1], 4), "packed"),
+    ):
+        with pytest.raises(ArgumentTypeError, match=rf"^{name}: expected "):
+            call()
+    with pytest.raises(InvalidArgumentError, match=r"^kind: expected 'key' or 'value', got 'keys'$"):
+        check_kind("keys")
+    for bits in (1, 2, 4, 8):
+        check_bits(bits)
+    for bits in (0, 3, 9, 16):
+        with pytest.raises(InvalidArgumentError, match=rf"got {bits}$"):
+            check_bits(bits)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_pack_puts_codes_low_bits_first_and_unpack_inverts_it(bits):
+    """``pack`` puts 8 // bits codes per byte, the first in the lowest bits (written out here bit by bit), from
+    any integer dtype, on the codes' device; ``unpack`` gives the codes back."""
+    per = 8 // bits
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (3, 2, 2 * per), generator=gen)  # int64
+    packed = pack(codes, bits)
+    want = torch.zeros(3, 2, 2, dtype=torch.int64)
+    for i in range(per):
+        want |= codes[..., i::per] << (bits * i)
+    assert packed.dtype == torch.uint8 and torch.equal(packed.long(), want)
+    assert torch.equal(unpack(packed, bits), codes.to(torch.uint8))
+    assert pack(torch.zeros(2, 2 * per, dtype=torch.uint8, device=META), bits).device == META
+
+
+def test_pack_refuses_a_last_dimension_that_does_not_fill_whole_bytes():
+    """The last dimension must be a multiple of 8 // bits, whatever the others are; the error names it."""
+    pack(torch.zeros(3, 5, 4, dtype=torch.uint8), 2)  # dim 1 (5) is not the one packed
+    with pytest.raises(ShapeError, match=r"^last dimension 6 is not a multiple of 4 \(2-bit packing\)$"):
+        pack(torch.zeros(4, 8, 6, dtype=torch.uint8), 2)
+
+
+def test_fitting_scale_is_exact_when_the_division_is():
+    """``amax / limit`` is kept exactly when ``amax / scale`` lands on ``limit`` (no needless ulp), and raised by
+    one ulp only where it would overshoot; the result always fits."""
+    s = fitting_scale(torch.tensor([127.0, 254.0, 1.0]), 127.0)
+    assert s.tolist() == [1.0, 2.0, float(torch.tensor(1.0) / 127.0)]
+    amax = torch.rand(1000, generator=torch.Generator().manual_seed(3)) * 100
+    fs = fitting_scale(amax, 127.0)
+    assert bool((amax / fs <= 127.0).all())
+    assert bool((fs <= torch.nextafter(amax / 127.0, torch.tensor(float("inf")))).all())
+
+
+def test_the_quantizer_interface():
+    """The base Quantizer has no codes (NotImplementedError) and no block layout (a ConfigError listing the schemes
+    that have one); its repr names the class and the scheme; ``round_trip`` keeps the input's dtype."""
+    with pytest.raises(NotImplementedError):
+        Quantizer().quantize(torch.zeros(1, 1, 1))
+    with pytest.raises(ConfigError, match=r"^unsupported scheme Quantizer\(quantizer\): expected Float16, "):
+        Quantizer().codec(SPEC, CPU)
+    assert repr(Float16()) == "Float16(fp16)" and repr(PerTensorInt8(0.5)) == "PerTensorInt8(int8_tensor_fixed0.5)"
+    x = torch.randn(1, 2, 8, dtype=torch.float64)
+    assert Float16().round_trip(x).dtype == torch.float64
+    assert PerTensorInt8().round_trip(x.half(), "value").dtype == torch.float16
