@@ -348,3 +348,191 @@ def test_the_quantizer_interface():
     x = torch.randn(1, 2, 8, dtype=torch.float64)
     assert Float16().round_trip(x).dtype == torch.float64
     assert PerTensorInt8().round_trip(x.half(), "value").dtype == torch.float16
+
+
+def test_pack_takes_whole_number_codes_of_any_dtype():
+    """``pack`` converts its codes to bytes first, so whole-number codes as floats (fresh from ``round``) pack
+    exactly as their uint8 values do."""
+    codes = torch.tensor([[1.0, 2.0, 15.0, 0.0]])
+    assert pack(codes, 4).tolist() == [[1 | 2 << 4, 15]]
+
+
+# -- int8 per token -----------------------------------------------------------------------------------------------
+
+from memos_ref.quant import KIVI, fp8_block_scale, fp8_encode  # noqa: E402
+
+
+def test_int8_token_scale_is_absmax_over_127_in_fp16_never_below_the_smallest_fp16():
+    """Per (head, token) scale = fp16(absmax / 127); an all-zero token gets the smallest positive fp16 (2^-24),
+    never 0 (which would divide by zero)."""
+    x = torch.zeros(2, 3, 8)
+    x[0, 1, 2], x[1, 2, 0] = 12.7, -254.0
+    s = PerTokenInt8.scales(x)
+    assert s.dtype == torch.float16
+    want = torch.full((2, 3), 2.0**-24, dtype=torch.float16)
+    want[0, 1], want[1, 2] = torch.tensor(12.7 / 127.0).half(), 2.0
+    assert torch.equal(s, want)
+    q = PerTokenInt8().quantize(x)
+    assert torch.equal(q.scale, want) and q.shape == (2, 3, 8)
+
+
+def test_int8_token_encode_with_clamps_to_plus_minus_127():
+    """Codes are round-half-even(x / scale) clamped to [-127, 127] (symmetric: never -128)."""
+    x = torch.tensor([[200.0, -200.0, 127.0, -127.4, 2.5, -2.5, 126.6, -300.0]])
+    codes = PerTokenInt8.encode_with(x, torch.tensor([1.0]))
+    assert codes.dtype == torch.int8 and codes.tolist() == [[127, -127, 127, -127, 2, -2, 127, -127]]
+
+
+def test_int8_token_range_check_names_what_it_refuses_and_accepts_empty_input():
+    """A value beyond 127·65504 is refused naming the argument (``x`` by default, the kind inside ``quantize``);
+    an empty tensor has nothing to refuse."""
+    big = torch.full((1, 1, 4), 127.0 * 65504.0 * 2)
+    with pytest.raises(InvalidArgumentError, match=r"^x: absmax "):
+        PerTokenInt8.check_range(big)
+    with pytest.raises(InvalidArgumentError, match=r"^value: absmax "):
+        PerTokenInt8().quantize(big, "value")
+    PerTokenInt8.check_range(torch.zeros(0, 2, 4))
+
+
+def test_int8_token_codec_writes_and_seals_without_clipping_or_rescaling():
+    """Per-token int8 blocks report nothing clipped and nothing rescaled, on a token write and on a seal."""
+    gen = torch.Generator().manual_seed(9)
+    codec = PerTokenInt8().codec(SPEC, CPU)
+    payload = codec.allocate(2)
+    assert codec.write(payload, 0, 0, torch.tensor([0, 0]), torch.tensor([0, 1]), torch.randn(2, H, D)) == (0, 0)
+    assert codec.encode(payload, torch.tensor([1]), _blocks(1, gen, 50.0)) == 0
+
+
+# -- fp8 ----------------------------------------------------------------------------------------------------------
+
+
+def _is_pow2(t):
+    m, _ = torch.frexp(t)
+    return bool((m == 0.5).all())
+
+
+def test_fp8_block_scale_is_the_smallest_power_of_two_that_fits():
+    """A streamed block's scale: the smallest power of two s with amax / s <= 448 (as float32 divides), including
+    where float32's log2 rounds 2^k·(1+ε) down to k."""
+    amax = torch.tensor([448.0, 1000.0, 1.0, 0.4375000596046448, 0.8750001192092896, 1.750000238418579, 3e-3])
+    s = fp8_block_scale(amax)
+    assert _is_pow2(s)
+    assert bool((amax / s <= 448.0).all()) and bool((amax / (s / 2) > 448.0).all())
+    assert s[:2].tolist() == [1.0, 4.0]
+
+
+def test_fp8_encode_saturates_at_448_and_counts_what_saturated():
+    """Values beyond ±448·scale saturate to ±448 (never NaN), and are counted."""
+    codes, clipped = fp8_encode(torch.tensor([1000.0, -1000.0, 448.0, -3.0]), torch.tensor(1.0))
+    assert codes.dtype == torch.float8_e4m3fn and codes.float().tolist() == [448.0, -448.0, 448.0, -3.0]
+    assert clipped == 2
+
+
+def test_fp8_arguments_are_checked_by_name():
+    """fp8's checks name the argument they refuse (``saturation``, ``x``, ``scale``) and the valid choices."""
+    with pytest.raises(ArgumentTypeError, match=r"^saturation: "):
+        FP8E4M3(1)
+    with pytest.raises(ConfigError, match=r"^saturation must be 'rescale' or 'clip', got 'wrap'$"):
+        FP8E4M3("wrap")
+    with pytest.raises(ArgumentTypeError, match=r"^x: "):
+        FP8E4M3.needed_scale([1.0])
+    with pytest.raises(ArgumentTypeError, match=r"^scale: "):
+        FP8E4M3().quantize(torch.ones(1, 2, 4), scale=[1.0])
+    assert FP8E4M3().quantize(torch.ones(2, 3, 4)).shape == (2, 3, 4)
+
+
+def test_fp8_streamed_scales_grow_reset_and_count_rescales():
+    """A token at offset 0 starts its block afresh (scale = the token's power-of-two scale, 0 rescales); a token
+    needing no more range re-encodes nothing; each block whose held scale grows counts once."""
+    codec = FP8E4M3().codec(SPEC, CPU)
+    payload = codec.allocate(3)
+    tok = torch.full((1, H, D), 1.0)
+    for b in (0, 1):
+        assert codec.write(payload, 0, 0, torch.tensor([b]), torch.tensor([0]), 100 * tok) == (0, 0)
+    assert codec.write(payload, 0, 0, torch.tensor([0]), torch.tensor([1]), 100 * tok) == (0, 0)  # same need
+    assert codec.write(payload, 0, 0, torch.tensor([0, 1]), torch.tensor([2, 1]), 1000 * tok.expand(2, H, D)) == (
+        0,
+        2,
+    )
+    assert bool((payload["scale"][0, 0, 0] == 4.0).all())
+    assert codec.write(payload, 0, 0, torch.tensor([0]), torch.tensor([0]), tok) == (0, 0)  # reused block
+    assert torch.equal(payload["scale"][0, 0, 0], fp8_block_scale(torch.ones(H)))
+
+
+# -- KIVI ---------------------------------------------------------------------------------------------------------
+
+KSPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, block_size=32)
+
+
+def _kivi_oracle(x, bits, g, kind):
+    """KIVI written out: asymmetric min/max groups (keys: g tokens per channel; values: g channels per token),
+    fp16 scale (range / levels, at least 2^-24) and zero (the min), codes round-half-even clamped to [0, levels]."""
+    h, t, d = x.shape
+    levels = 2**bits - 1
+    grp = x.reshape(h, t // g, g, d) if kind == "key" else x.reshape(h, t, d // g, g)
+    dim = 2 if kind == "key" else 3
+    lo, hi = grp.amin(dim, keepdim=True), grp.amax(dim, keepdim=True)
+    scale = torch.clamp(((hi - lo) / levels).clamp(min=1e-8).half(), min=2.0**-24)
+    zero = lo.half()
+    codes = ((grp - zero.float()) / scale.float()).round().clamp(0, levels)
+    return (codes * scale.float() + zero.float()).reshape(h, t, d)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_round_trip_matches_the_written_out_scheme_with_several_groups(bits):
+    """Keys per channel over groups of tokens, values per token over groups of channels, two groups each way;
+    offset data whose fp16 zero rounds away from the true min still decodes within [min, max] of its group."""
+    gen = torch.Generator().manual_seed(bits)
+    x = torch.randn(2, 32, 32, generator=gen)
+    x[0] += 1000.3  # fp16 zero rounds: codes must clamp at both ends
+    q = KIVI(bits, 16)
+    for kind in ("key", "value"):
+        torch.testing.assert_close(q.dequantize(q.quantize(x, kind)), _kivi_oracle(x, bits, 16, kind))
+    assert q.quantize(x).meta["kind"] == "key"
+    const = torch.full((1, 16, 16), 3.0)
+    assert bool((q.quantize(const, "key").scale == 2.0**-24).all())
+    assert bool((q.quantize(const, "value").scale == 2.0**-24).all())
+
+
+def test_kivi_codec_seals_and_decodes_blocks_with_several_groups():
+    """Sealed KIVI blocks (two key groups per block, two value groups per token) decode exactly as the scheme
+    decodes the same tensors; ``encode`` reports nothing clipped; the payload lives on the codec's device."""
+    gen = torch.Generator().manual_seed(11)
+    scheme = KIVI(4, 16)
+    codec = scheme.codec(KSPEC, CPU)
+    payload = codec.allocate(3)
+    kv = torch.randn(2, 2, 2, 2, 32, 32, generator=gen)  # [m, L, 2, H, T, D]
+    assert codec.encode(payload, torch.tensor([2, 0]), kv) == 0
+    out = codec.decode(payload, torch.tensor([0, 2]), 1)  # [2, 2, H, T, D]
+    for j, m in enumerate((1, 0)):
+        for kvi, kind in enumerate(("key", "value")):
+            torch.testing.assert_close(out[j, kvi], _kivi_oracle(kv[m, 1, kvi], 4, 16, kind))
+    assert all(t.device == META for t in scheme.codec(KSPEC, META).allocate(1).values())
+
+
+def test_kivi_configuration_is_checked_by_name():
+    """KIVI's defaults are 4 bits in groups of 32; a wrong type names ``bits`` or ``group_size``; group sizes
+    16..128 are accepted, others refused naming the choices; a head dim that does not split into value groups is
+    refused (scheme and codec), naming it."""
+    assert KIVI().name == "kivi4_g32"
+    with pytest.raises(ArgumentTypeError, match=r"^bits: "):
+        KIVI("4")
+    with pytest.raises(ArgumentTypeError, match=r"^group_size: "):
+        KIVI(4, 32.0)
+    assert KIVI(2, 128).group_size == 128
+    with pytest.raises(ConfigError, match=r"^KIVI group_size must be one of 16, 32, 64, 128, got 129$"):
+        KIVI(4, 129)
+    with pytest.raises(ShapeError, match=r"^head_dim 48 is not a multiple of the value group size 32$"):
+        KIVI().quantize(torch.zeros(1, 32, 48), "value")
+    bad = KVSpec(num_layers=1, num_kv_heads=1, head_dim=48, dtype=torch.float32, block_size=32)
+    with pytest.raises(ConfigError, match=r"^head_dim 48 does not split into KIVI value groups / packed bytes$"):
+        KIVI(4, 32).codec(bad, CPU)
+
+
+def test_kivi_dequantize_reads_the_key_groups_from_the_codes_and_handles_no_tokens():
+    """Keys decode with the group size their scales imply (a QTensor from another group size decodes right), and
+    zero tokens decode to an empty tensor."""
+    x = torch.randn(1, 64, 16, generator=torch.Generator().manual_seed(4))
+    q32 = KIVI(4, 32).quantize(x, "key")
+    torch.testing.assert_close(KIVI(4, 16).dequantize(q32), KIVI(4, 32).dequantize(q32))
+    assert KIVI(4, 16).dequantize(KIVI(4, 16).quantize(torch.zeros(1, 0, 16), "key")).shape == (1, 0, 16)
