@@ -329,7 +329,11 @@ class DiskBackend(BudgetLRU):
                 if not stat.S_ISREG(st.st_mode) or st.st_size > self.max_item_bytes:
                     self._unlink(name, dfd)
                     raise _Unsafe(f"{name}: mode {st.st_mode:o}, {st.st_size} bytes")
-                return _read_bounded(fd, self.max_item_bytes)
+                try:
+                    return _read_bounded(fd, self.max_item_bytes)
+                except _Unsafe:  # it grew past the bound while being read: not a block either, and never adopted
+                    self._unlink(name, dfd)  # at a restart, so removed now rather than left outside the budget
+                    raise
             finally:
                 os.close(fd)
 
