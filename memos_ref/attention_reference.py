@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from memos_ref.errors import ArgumentTypeError, InvalidArgumentError, ShapeError, check_type
+from memos_ref.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, ShapeError, check_type
 from memos_ref.paged.pool import gather_blocks
 
 __all__ = ["dense_attention", "drop_trivial_mask", "gather_kv", "paged_attention"]
@@ -88,6 +88,8 @@ def dense_attention(
             f"expected q [Hq, Q, D] and k, v [H, S, D] of one D, got {tuple(q.shape)}, {tuple(k.shape)}, "
             f"{tuple(v.shape)}"
         )
+    if not q.dtype == k.dtype == v.dtype:
+        raise DTypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     hq, nq, d = q.shape
     h, s, _ = k.shape
     if hq % h:
@@ -214,6 +216,11 @@ def paged_attention(
         raise ShapeError(
             f"key/value caches must both be [num_blocks, kv_heads, block_size, head_dim={d}], got "
             f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    if not query.dtype == key_cache.dtype == value_cache.dtype:
+        raise DTypeError(
+            f"query, key_cache, value_cache: expected one dtype, got {query.dtype}, {key_cache.dtype}, "
+            f"{value_cache.dtype}"
         )
     if block_tables.ndim != 2 or block_tables.shape[0] != b or seq_lens.shape != (b,):
         raise ShapeError(

@@ -204,3 +204,23 @@ def test_batched_rows_of_different_lengths_equal_each_row_alone_even_beside_pois
     for i, n in enumerate(lens):
         k, v = _gather_by_slots(k_cache, tables[i], n), _gather_by_slots(v_cache, tables[i], n)
         torch.testing.assert_close(out[i], dense_attention(query[i], k, v), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_mixed_dtypes_are_refused_by_name_not_by_torch(which):
+    """Attention of tensors in different dtypes is a DTypeError naming each dtype (it was torch's bare
+    RuntimeError "expected scalar type ..."), in the dense and the paged reference alike."""
+    from memos_ref.attention_reference import dense_attention, paged_attention
+    from memos_ref.errors import DTypeError
+
+    gen = torch.Generator().manual_seed(0)
+    t = {"q": torch.randn(4, 1, 8, generator=gen), "k": torch.randn(2, 5, 8, generator=gen)}
+    t["v"] = torch.randn(2, 5, 8, generator=gen)
+    t[which] = t[which].double()
+    with pytest.raises(DTypeError, match=r"expected one dtype, got .*float64"):
+        dense_attention(t["q"], t["k"], t["v"])
+    cache = torch.randn(3, 2, 8, 8, generator=gen)
+    caches = {"q": torch.randn(1, 4, 1, 8, generator=gen), "k": cache, "v": cache.clone()}
+    caches[which] = caches[which].double()
+    with pytest.raises(DTypeError, match=r"expected one dtype, got .*float64"):
+        paged_attention(caches["q"], caches["k"], caches["v"], torch.tensor([[0, 1]]), torch.tensor([9]))
