@@ -4,10 +4,16 @@ arithmetic done here from the block size and the prompt lengths."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import torch
 
 from memos_ref.engine import Engine, Request
+from memos_ref.errors import ConfigError, InvalidArgumentError, OutOfBlocksError, StagingFullError
 from memos_ref.paged import PagedKV
+from memos_ref.quant import PerTokenInt8
+from memos_ref.spec import KVSpec
 
 T = 8
 
@@ -60,4 +66,208 @@ def test_a_decode_step_short_of_blocks_preempts_the_newest_request_first(model):
     assert all(seq.num_tokens == 17 for _, seq in engine.running)  # the step after the preemption ran
     engine.run()
     assert all(r.finished and not r.failed and len(r.output) == 12 for r in reqs)
+    assert kv.allocator.num_active == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cheap policy tests with a fake model (an honest oracle for scheduling: it writes every layer of the step it is
+# given, like the package forward, and returns logits chosen by the test). The pool lives on ``meta``: no memory.
+# ---------------------------------------------------------------------------------------------------------------
+V = 50
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_size=T)
+
+
+class _Fake:
+    """Writes every layer of each step (``prepare_step(...).mark_written_by_kernel()``) and returns ``logits(...)``
+    (default: token 7 wins); ``hook(input_ids, cache, position_ids)`` may raise to play a failing forward."""
+
+    def __init__(self, logits=None, hook=None) -> None:
+        self.config = type("Config", (), {"vocab_size": V, "num_hidden_layers": SPEC.num_layers})()
+        self.logits, self.hook = logits, hook
+
+    def __call__(self, input_ids, cache, *, position_ids):
+        if self.hook is not None:
+            self.hook(input_ids, cache, position_ids)
+        cache.prepare_step(*input_ids.shape).mark_written_by_kernel()
+        out = torch.zeros(*input_ids.shape, V)
+        if self.logits is None:
+            out[..., 7] = 1.0
+        else:
+            out[...] = self.logits
+        return out
+
+
+def _kv(num_blocks: int) -> PagedKV:
+    return PagedKV(SPEC, num_blocks, device="meta", prefix_caching=False)
+
+
+def test_admission_never_runs_more_than_max_batch_rows():
+    """max_batch=2 and three requests: one step admits exactly two; the third waits."""
+    engine = Engine(_Fake(), _kv(16), max_batch=2)
+    reqs = [engine.submit(Request(_prompt(5, i), 4)) for i in range(3)]
+    engine.step()
+    assert [r for r, _ in engine.running] == reqs[:2] and list(engine.waiting) == reqs[2:]
+    engine.run()
+    assert all(r.output == [7] * 4 for r in reqs)
+
+
+def test_every_failed_request_is_counted():
+    """Two requests whose prefill raises fail (error kept, blocks freed) and ``failures`` counts both; the third
+    finishes."""
+
+    def hook(ids, cache, pos):
+        if ids.shape == (1, 4):  # the bad prompts' prefill (ids live on meta: shapes only)
+            raise ValueError("bad row")
+
+    kv = _kv(16)
+    engine = Engine(_Fake(hook=hook), kv, max_batch=4)
+    bad = [engine.submit(Request([13, 1, 2, 4], 3)) for _ in range(2)]
+    good = engine.submit(Request([1, 2, 3], 3))
+    engine.run()
+    assert good.error is None, repr(good.error)
+    assert engine.failures == 2 and all(isinstance(r.error, ValueError) for r in bad)
+    assert good.output == [7, 7, 7] and not good.failed
+    assert kv.allocator.num_active == 0
+
+
+def test_ttft_is_the_time_from_arrival_to_the_first_token():
+    """``stats.ttft_s`` lies between 0 and the time elapsed since the request arrived."""
+    engine = Engine(_Fake(), _kv(16))
+    r = engine.submit(Request([1, 2, 3], 2))
+    engine.run()
+    assert 0 <= r.stats.ttft_s <= time.perf_counter() - r.arrived
+
+
+def _one_token(logits: torch.Tensor, temperature: float, seeds=range(16)) -> list[int]:
+    engine = Engine(_Fake(logits=logits), _kv(16), max_batch=16)
+    reqs = [engine.submit(Request([1, 2, 3], 1, temperature=temperature, seed=s)) for s in seeds]
+    engine.run()
+    assert not any(r.failed for r in reqs), [r.error for r in reqs]
+    return [r.output[0] for r in reqs]
+
+
+def test_a_temperature_of_exactly_the_greedy_bound_samples():
+    """Only temperatures *below* GREEDY_TEMPERATURE are greedy: at exactly that temperature two tied best tokens are
+    both drawn over 16 seeds (greedy would always give the first)."""
+    from memos_ref.engine import GREEDY_TEMPERATURE
+
+    logits = torch.zeros(V)
+    logits[7] = logits[9] = 1.0
+    assert set(_one_token(logits, GREEDY_TEMPERATURE)) == {7, 9}
+
+
+def test_a_low_temperature_concentrates_on_the_best_token():
+    """Temperature 0.05 with a logit margin of 1 (e^20 odds): every seed draws the best token."""
+    logits = torch.zeros(V)
+    logits[7] = 1.0
+    assert _one_token(logits, 0.05) == [7] * 16
+
+
+def test_sampling_huge_logits_at_a_small_temperature_does_not_overflow():
+    """Logits of 1e36 at temperature 1e-3: shifted by their max before scaling, nothing overflows to inf/NaN and
+    the best token is drawn."""
+    logits = torch.zeros(V)
+    logits[7] = 1e36
+    assert _one_token(logits, 1e-3, seeds=range(2)) == [7, 7]
+
+
+@pytest.mark.parametrize(("prompt_len", "num_blocks", "needed"), [(16, 2, 3), (15, 1, 2)])
+def test_a_prompt_too_long_for_the_pool_names_the_blocks_it_needs(prompt_len, num_blocks, needed):
+    """The refusal carries the blocks for the prompt plus its first generated token, and the pool's size."""
+    engine = Engine(_Fake(), _kv(num_blocks))
+    with pytest.raises(OutOfBlocksError) as info:
+        engine.submit(Request(_prompt(prompt_len, 0), 2))
+    assert (info.value.needed, info.value.available) == (needed, num_blocks)
+    assert not engine.waiting
+
+
+def test_a_prompt_too_long_for_the_staging_slab_names_needed_and_capacity():
+    """A quantized pool with 2 staging blocks refuses a 24-token prompt (3 blocks) with needed=3, capacity=2."""
+    kv = PagedKV(SPEC, 16, quant=PerTokenInt8(), residual_tokens=T, staging_blocks=2, prefix_caching=False)
+    engine = Engine(_Fake(), kv)
+    with pytest.raises(StagingFullError) as info:
+        engine.submit(Request(_prompt(24, 0), 2))
+    assert (info.value.needed, info.value.capacity) == (3, 2)
+    assert not engine.waiting
+
+
+def test_run_checks_max_steps_and_one_step_is_allowed():
+    """``max_steps`` must be >= 1 (the error names it); 1 is accepted."""
+    engine = Engine(_Fake(), _kv(4))
+    with pytest.raises(InvalidArgumentError, match=r"^max_steps: expected an integer >= 1, got 0"):
+        engine.run(max_steps=0)
+    assert engine.run(max_steps=1) == []
+
+
+def test_run_gives_up_after_max_steps():
+    """A request needing 10 steps, run for 3: ConfigError naming the 3 steps."""
+    engine = Engine(_Fake(), _kv(4))
+    engine.submit(Request([1, 2, 3], 10))
+    with pytest.raises(ConfigError, match="after 3 steps"):
+        engine.run(max_steps=3)
+
+
+def test_run_raises_when_the_head_request_can_never_start_now():
+    """All 4 blocks held outside the engine: a 7-token prompt (needs 1 block with its next token) can't start and
+    nothing else runs, so run raises OutOfBlocksError(needed=1, available=0) at once instead of spinning."""
+    kv = _kv(4)
+    held = kv.allocator.allocate(4)
+    engine = Engine(_Fake(), kv)
+    other = engine.submit(Request(_prompt(7, 0), 3))
+    engine.submit(Request(_prompt(30, 1), 3))
+    with pytest.raises(OutOfBlocksError) as info:
+        engine.run(max_steps=50)
+    assert (info.value.needed, info.value.available) == (1, 0)
+    assert engine.waiting[0] is other and engine.steps == 0
+    kv.allocator.free_many(held)
+
+
+def test_a_request_preempted_twice_counts_twice_and_recomputes_what_it_generated():
+    """4 blocks, 3 held outside. A 5-token prompt fills its block after 4 tokens and is preempted; run then raises
+    needing blocks for prompt + output + 1 = 10 tokens (2 blocks, 1 available). With one more block released it
+    is readmitted, fills its 2 blocks at 16 tokens and is preempted again (needs 3 for 18, 2 available). Both
+    preemptions are counted, on the request and the engine; once all blocks are back it finishes."""
+    kv = _kv(4)
+    held = kv.allocator.allocate(3)
+    engine = Engine(_Fake(), kv)
+    r = engine.submit(Request(_prompt(5, 0), 20))
+    with pytest.raises(OutOfBlocksError) as info:
+        engine.run(max_steps=50)
+    assert (info.value.needed, info.value.available) == (2, 1) and len(r.output) == 4
+    assert (r.stats.preemptions, engine.preemptions) == (1, 1)
+    kv.allocator.free_many(held[:1])
+    with pytest.raises(OutOfBlocksError) as info:
+        engine.run(max_steps=50)
+    assert (info.value.needed, info.value.available) == (3, 2) and len(r.output) == 12
+    assert (r.stats.preemptions, engine.preemptions) == (2, 2)
+    kv.allocator.free_many(held[1:])
+    engine.run(max_steps=50)
+    assert r.output == [7] * 20 and not r.failed and kv.allocator.num_active == 0
+
+
+def test_a_row_out_of_room_in_the_row_by_row_retry_waits_again_and_the_others_carry_on():
+    """The batched decode step raises; the engine retries row by row and R2's solo step runs out of blocks (after
+    it started writing). R2 is rolled back, freed and re-queued at the head (one preemption, not a failure); R1
+    keeps running with a real latency recorded. Both then finish with every token."""
+    state = {"armed": True}
+
+    def hook(ids, cache, pos):
+        if ids.shape[1] == 1 and ids.shape[0] > 1:
+            raise RuntimeError("batched step fails")
+        if ids.shape == (1, 1) and cache.sequences[0].num_tokens == 6 and state["armed"]:  # R2 alone
+            state["armed"] = False
+            cache.prepare_step(1, 1)  # started writing
+            raise OutOfBlocksError(needed=1, available=0)
+
+    kv = _kv(16)
+    engine = Engine(_Fake(hook=hook), kv, max_batch=4)
+    r1 = engine.submit(Request(_prompt(5, 1), 4))
+    r2 = engine.submit(Request(_prompt(6, 2), 4))
+    engine.step()  # admits both, then the batched decode fails; row by row: R1 decodes, R2 is out of room
+    assert [r for r, _ in engine.running] == [r1] and list(engine.waiting) == [r2]
+    assert (r2.stats.preemptions, engine.preemptions, engine.failures) == (1, 1, 0) and not r2.failed
+    assert r1.stats.token_latencies_s and all(isinstance(x, float) for x in r1.stats.token_latencies_s)
+    assert kv.allocator.num_active == 1  # only R1's block
+    engine.run(max_steps=50)
+    assert r1.output == [7] * 4 and r2.output == [7] * 4 and not r1.failed and not r2.failed
     assert kv.allocator.num_active == 0
