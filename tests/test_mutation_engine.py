@@ -194,7 +194,7 @@ def test_a_prompt_too_long_for_the_staging_slab_names_needed_and_capacity():
 def test_run_checks_max_steps_and_one_step_is_allowed():
     """``max_steps`` must be >= 1 (the error names it); 1 is accepted."""
     engine = Engine(_Fake(), _kv(4))
-    with pytest.raises(InvalidArgumentError, match=r"^max_steps: expected an integer >= 1, got 0"):
+    with pytest.raises(InvalidArgumentError, match=r"^max_steps: expected an integer in >= 1, got 0"):
         engine.run(max_steps=0)
     assert engine.run(max_steps=1) == []
 
