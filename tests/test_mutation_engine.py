@@ -123,6 +123,8 @@ def test_every_failed_request_is_counted():
     engine = Engine(_Fake(hook=hook), kv, max_batch=4)
     bad = [engine.submit(Request([13, 1, 2, 4], 3)) for _ in range(2)]
     good = engine.submit(Request([1, 2, 3], 3))
+    engine.step()  # a failed admission does not stop the loop: the good request starts in the same step
+    assert [r for r, _ in engine.running] == [good] and all(r.failed for r in bad)
     engine.run()
     assert good.error is None, repr(good.error)
     assert engine.failures == 2 and all(isinstance(r.error, ValueError) for r in bad)
@@ -271,3 +273,74 @@ def test_a_row_out_of_room_in_the_row_by_row_retry_waits_again_and_the_others_ca
     engine.run(max_steps=50)
     assert r1.output == [7] * 4 and r2.output == [7] * 4 and not r1.failed and not r2.failed
     assert kv.allocator.num_active == 0
+
+
+def test_a_prompt_that_exactly_fills_the_pool_runs():
+    """2 blocks of 8: a 15-token prompt plus its first generated token fill the pool exactly; it is admitted."""
+    engine = Engine(_Fake(), _kv(2))
+    r = engine.submit(Request(_prompt(15, 0), 1))
+    engine.run(max_steps=5)
+    assert r.output == [7] and not r.failed
+
+
+def test_a_preempted_request_grown_past_the_pool_fails_and_the_next_one_starts_in_the_same_step():
+    """2 blocks, max_batch 1: R (5 tokens) is preempted at 16 tokens; re-admitting it would need 3 blocks (its
+    prompt, 12 generated tokens and the next), more than the pool, so it fails with OutOfBlocksError(3, 2) and R2,
+    queued behind it, starts in that same step."""
+    kv = _kv(2)
+    engine = Engine(_Fake(), kv, max_batch=1)
+    r = engine.submit(Request(_prompt(5, 0), 20))
+    r2 = engine.submit(Request(_prompt(5, 1), 3))
+    for _ in range(30):
+        engine.step()
+        if r.finished:
+            break
+    assert r.failed and isinstance(r.error, OutOfBlocksError) and len(r.output) == 12
+    assert (r.error.needed, r.error.available) == (3, 2)
+    assert [x for x, _ in engine.running] == [r2]
+    engine.run(max_steps=5)
+    assert r2.output == [7, 7, 7] and kv.allocator.num_active == 0
+
+
+@pytest.mark.parametrize(("prompt_len", "admitted"), [(8, False), (7, True)])
+def test_admission_needs_blocks_for_the_prompt_and_its_first_token(prompt_len, admitted):
+    """One block available: a 7-token prompt (8 with its next token: 1 block) starts; an 8-token one (9: 2 blocks)
+    waits, and every step it waits is counted once."""
+    kv = _kv(2)
+    held = kv.allocator.allocate(1)
+    engine = Engine(_Fake(), kv)
+    r = engine.submit(Request(_prompt(prompt_len, 0), 1 if admitted else 3))
+    engine.step()
+    engine.step()
+    assert r.finished is admitted and engine.deferred_admissions == (0 if admitted else 2)
+    kv.allocator.free_many(held)
+
+
+def test_admission_counts_only_the_next_token_of_running_rows():
+    """2 blocks: R1 (7 tokens) runs and its next token fits its block, so R2 (7 tokens, 1 block) starts too."""
+    engine = Engine(_Fake(), _kv(2))
+    reqs = [engine.submit(Request(_prompt(7, i), n)) for i, n in enumerate((1, 5))]
+    engine.step()
+    assert engine.deferred_admissions == 0 and reqs[0].finished and [r for r, _ in engine.running] == reqs[1:]
+
+
+def test_a_prefill_short_of_room_waits_at_the_head_and_gives_its_blocks_back():
+    """A prefill that raises a capacity error (the pool's, or the staging slab's when it could fit) is not the
+    request's fault: its blocks go back, it stays at the head of the queue, each try is counted, and it runs later."""
+    tries = {"n": 0}
+
+    def hook(ids, cache, pos):
+        if ids.shape[1] > 1 and tries["n"] < 2:
+            tries["n"] += 1
+            cache.prepare_step(*ids.shape)  # holds its blocks when it fails
+            raise OutOfBlocksError(needed=1, available=0) if tries["n"] == 1 else StagingFullError("x", needed=1)
+
+    kv = _kv(8)
+    engine = Engine(_Fake(hook=hook), kv)
+    r = engine.submit(Request(_prompt(9, 0), 2))
+    engine.step()
+    assert list(engine.waiting) == [r] and kv.allocator.num_active == 0 and engine.deferred_admissions == 1
+    engine.step()
+    assert list(engine.waiting) == [r] and kv.allocator.num_active == 0 and engine.deferred_admissions == 2
+    engine.run(max_steps=5)
+    assert r.output == [7, 7] and not r.failed and kv.allocator.num_active == 0
