@@ -344,3 +344,22 @@ def test_a_prefill_short_of_room_waits_at_the_head_and_gives_its_blocks_back():
     assert list(engine.waiting) == [r] and kv.allocator.num_active == 0 and engine.deferred_admissions == 2
     engine.run(max_steps=5)
     assert r.output == [7, 7] and not r.failed and kv.allocator.num_active == 0
+
+
+@pytest.mark.parametrize(("needed", "fails"), [(2, False), (3, True)])
+def test_a_staging_shortfall_waits_only_when_the_slab_could_ever_hold_it(needed, fails):
+    """2 staging blocks: a prefill refused for want of staging blocks waits at the head when it needs at most 2
+    (others may free theirs); needing 3 it could never run, so it fails and the next request starts at once."""
+
+    def hook(ids, cache, pos):
+        if ids.shape == (1, 9):
+            raise StagingFullError("staging full", needed=needed, capacity=2)
+
+    kv = PagedKV(SPEC, 16, quant=PerTokenInt8(), residual_tokens=T, staging_blocks=2, prefix_caching=False)
+    engine = Engine(_Fake(hook=hook), kv)
+    r = engine.submit(Request(_prompt(9, 0), 2))
+    r2 = engine.submit(Request(_prompt(5, 1), 3))
+    engine.step()
+    assert r.failed is fails and engine.deferred_admissions == (0 if fails else 1)
+    assert list(engine.waiting) == ([] if fails else [r, r2])
+    assert [x for x, _ in engine.running] == ([r2] if fails else [])
