@@ -245,6 +245,8 @@ def test_a_request_preempted_twice_counts_twice_and_recomputes_what_it_generated
     kv.allocator.free_many(held[1:])
     engine.run(max_steps=50)
     assert r.output == [7] * 20 and not r.failed and kv.allocator.num_active == 0
+    # computed: each admission its prompt + output so far (5, 9, 17), each decode step one token (3 + 7 + 7)
+    assert (r.stats.prompt_tokens, r.stats.reused_tokens, r.stats.computed_tokens) == (5, 0, 48)
 
 
 def test_a_row_out_of_room_in_the_row_by_row_retry_waits_again_and_the_others_carry_on():
@@ -363,3 +365,16 @@ def test_a_staging_shortfall_waits_only_when_the_slab_could_ever_hold_it(needed,
     assert r.failed is fails and engine.deferred_admissions == (0 if fails else 1)
     assert list(engine.waiting) == ([] if fails else [r, r2])
     assert [x for x, _ in engine.running] == ([r2] if fails else [])
+
+
+def test_a_prompt_found_in_the_prefix_cache_is_counted_as_reused_not_computed():
+    """A repeated 16-token prompt reuses cached blocks: reused + computed tokens add up to the prompt."""
+    kv = PagedKV(SPEC, 8, device="meta", prefix_caching=True)
+    engine = Engine(_Fake(), kv)
+    first = engine.submit(Request(_prompt(16, 0), 1))
+    engine.run(max_steps=5)
+    again = engine.submit(Request(_prompt(16, 0), 1))
+    engine.run(max_steps=5)
+    assert (first.stats.prompt_tokens, first.stats.reused_tokens, first.stats.computed_tokens) == (16, 0, 16)
+    assert again.stats.prompt_tokens == 16 and again.stats.reused_tokens > 0
+    assert again.stats.reused_tokens + again.stats.computed_tokens == 16
