@@ -224,9 +224,7 @@ class Engine:
     def _staging_capacity(self) -> float:
         """Full-precision staging blocks of a quantized pool (its prefills write there); unbounded otherwise."""
         pool = self.kv.pool
-        if not pool.tracks_windows:
-            return math.inf
-        return int(pool.staging.shape[0])  # type: ignore[attr-defined]
+        return int(pool.staging.shape[0]) if pool.tracks_windows else math.inf  # type: ignore[attr-defined]
 
     def _staging_too_small(self, tokens: int) -> StagingFullError:
         need, total = self.kv.spec.blocks_for(tokens), self._staging_capacity()
@@ -489,7 +487,9 @@ class Engine:
                 first = self.waiting[0]
                 need = self.kv.spec.blocks_for(len(first.prompt) + len(first.output) + 1)
                 raise OutOfBlocksError(needed=need, available=self.kv.allocator.num_available)
-        raise ConfigError(f"requests still unfinished after {max_steps} steps")
+        if self.waiting or self.running:  # the last allowed step may have finished them
+            raise ConfigError(f"requests still unfinished after {max_steps} steps")
+        return self.finished
 
 
 def _ids_below(ids: Any, vocab_size: int | None) -> bool:

@@ -378,3 +378,13 @@ def test_a_prompt_found_in_the_prefix_cache_is_counted_as_reused_not_computed():
     assert (first.stats.prompt_tokens, first.stats.reused_tokens, first.stats.computed_tokens) == (16, 0, 16)
     assert again.stats.prompt_tokens == 16 and again.stats.reused_tokens > 0
     assert again.stats.reused_tokens + again.stats.computed_tokens == 16
+
+
+def test_run_returns_when_the_last_allowed_step_finishes_every_request():
+    """``run(max_steps=N)`` gives up only when requests are still unfinished after N steps: a request done in
+    exactly its N-th step is returned, not refused (one token: the prefill's step finishes it)."""
+    engine = Engine(_Fake(), _kv(4))
+    one = engine.submit(Request([1, 2, 3], 1))
+    assert engine.run(max_steps=1) == [one] and one.finished and not one.failed
+    two = engine.submit(Request([1, 2, 3], 2))
+    assert engine.run(max_steps=2)[-1] is two and two.finished
