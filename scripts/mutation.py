@@ -60,7 +60,8 @@ AREAS: dict[str, tuple[list[str], list[str]]] = {
     ),
     "quant-codecs": (  # the schemes' codecs and their math, without the pool
         ["memos_ref/quant/*.py", "!memos_ref/quant/pool.py"],
-        ["tests/test_quant.py", "tests/test_mutation_quant.py"],
+        ["tests/test_quant.py", "tests/test_mutation_quant.py", "tests/test_regress_paged_quant.py",
+         "tests/test_kernel_path.py"],
     ),
     "quant": (
         ["memos_ref/quant/pool.py"],
@@ -77,7 +78,7 @@ AREAS: dict[str, tuple[list[str], list[str]]] = {
     "engine": (
         ["memos_ref/engine.py", "memos_ref/engine/*.py"],
         ["tests/test_engine.py", "tests/test_regress_engine_session.py", "tests/test_mutation_engine.py",
-         "tests/test_decode_graph.py", "tests/test_bad_input_table.py"],
+         "tests/test_decode_graph.py", "tests/test_bad_input_table.py", "tests/test_tiering_manager.py"],
     ),
     "tiering-codecs": (
         ["memos_ref/tiering/*codec*.py"],
@@ -290,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         help="add a reviewer's verdicts on survivors (a list of {module, function, diff, verdict: killed_by_hand |"
         " equivalent | left, test | why}) to the equivalent / killed_by_hand lists, then rescore; run nothing",
     )
+    ap.add_argument("--table", action="store_true", help="print the per-module table of docs/testing.md, run nothing")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(load_record()))
+        return 0
     if args.merge_verdicts:
         with results_lock():
             record = load_record()
@@ -380,8 +385,38 @@ def merge_verdicts(record: dict, verdicts: list[dict]) -> dict[str, int]:
         if kind in fields:
             if not isinstance(v.get(fields[kind]), str) or not v[fields[kind]]:
                 raise SystemExit(f"a {kind} verdict needs its {fields[kind]!r}: {v}")
+            if kind == "killed_by_hand" and not re.fullmatch(r"tests/test_\w+\.py::test\w*(\[.*\])?", v["test"]):
+                raise SystemExit(f"a hand kill names its test as tests/<file>.py::<test>: {v}")
             record[kind].append({**dict(zip(keys, ident)), fields[kind]: v[fields[kind]]})
     return added
+
+
+def table(record: dict) -> str:
+    """The per-module scores as the Markdown table of docs/testing.md (between its ``mutation-table`` markers):
+    ``checked`` = mutants - not checked; ``left`` = survivors and mutants no test ran, less equivalent and hand
+    kills."""
+    rows = [
+        "| module | mutants | checked | killed + timeout | equivalent | killed by hand | left | mutmut score"
+        " | with hand kills |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for module, entry in sorted(record["modules"].items()):
+        t = entry["totals"]
+        score = t["score"]
+        with_hand = t.get("score_with_hand_kills", score)
+        cells = [
+            f"`{module.removeprefix('memos_ref/')}`",
+            t["mutants"],
+            t["mutants"] - t["not_checked"],
+            t["killed"] + t["timeout"],
+            t["equivalent"],
+            t["killed_by_hand"],
+            t["survived"] + t["no_tests"],
+            "–" if score is None else f"{100 * score:.1f}%",
+            "–" if with_hand is None else f"{100 * with_hand:.1f}%",
+        ]
+        rows.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(rows)
 
 
 def load_record() -> dict:

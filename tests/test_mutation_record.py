@@ -45,7 +45,7 @@ def test_every_hand_kill_names_an_existing_test_and_every_equivalent_says_why():
     names = _test_names()
     for kill in RECORD["killed_by_hand"]:
         test = kill["test"].split("[")[0]
-        assert test in names or test.split("::")[0] + "::" + test.split("::")[-1] in names, kill
+        assert test in names, kill
     for equivalent in RECORD["equivalent"]:
         assert len(equivalent["why"].split()) >= 4, equivalent  # a reason, not a word
     verdicts = [(e["module"], e["function"], e["diff"]) for e in RECORD["equivalent"] + RECORD["killed_by_hand"]]
@@ -57,10 +57,20 @@ def test_verdicts_merge_once_per_survivor_and_are_refused_when_incomplete(mutati
     one = {"module": "m.py", "function": "x_f", "diff": "-a | +b"}
     assert mutation.merge_verdicts(record, [{**one, "verdict": "equivalent", "why": "b equals a here"}]) == {
         "equivalent": 1, "killed_by_hand": 0, "left": 0}  # fmt: skip
-    mutation.merge_verdicts(record, [{**one, "verdict": "killed_by_hand", "test": "tests/t.py::test_x"}])
-    assert record["equivalent"] == [] and record["killed_by_hand"] == [{**one, "test": "tests/t.py::test_x"}]
+    mutation.merge_verdicts(record, [{**one, "verdict": "killed_by_hand", "test": "tests/test_t.py::test_x"}])
+    assert record["equivalent"] == [] and record["killed_by_hand"] == [{**one, "test": "tests/test_t.py::test_x"}]
     mutation.merge_verdicts(record, [{**one, "verdict": "left", "why": "not analysed"}])
     assert record["equivalent"] == [] and record["killed_by_hand"] == []  # left: the survivor stays a survivor
-    for bad in ({**one, "verdict": "equivalent"}, {**one, "verdict": "killed"}, {"verdict": "left", "why": "x"}):
+    bare = {**one, "verdict": "killed_by_hand", "test": "test_x"}  # a test named without its file
+    for bad in ({**one, "verdict": "equivalent"}, {**one, "verdict": "killed"}, {"verdict": "left", "why": "x"}, bare):
         with pytest.raises(SystemExit):
             mutation.merge_verdicts(record, [bad])
+
+
+def test_the_docs_table_is_the_one_the_record_gives(mutation):
+    """docs/testing.md's per-module table is `python scripts/mutation.py --table` of the committed record."""
+    text = (ROOT / "docs" / "testing.md").read_text()
+    begin = "<!-- mutation-table: python scripts/mutation.py --table -->\n"
+    assert begin in text and "<!-- /mutation-table -->" in text
+    shown = text.split(begin, 1)[1].split("<!-- /mutation-table -->", 1)[0].strip()
+    assert shown == mutation.table(RECORD), "run `python scripts/mutation.py --table` and paste it into docs/testing.md"
