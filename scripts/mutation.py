@@ -173,7 +173,12 @@ def module_name(path: str) -> str:
 
 
 def prepare_tree(
-    tree: Path, modules: list[str], tests: list[str], max_children: int, deselect: list[str] | None = None
+    tree: Path,
+    modules: list[str],
+    tests: list[str],
+    max_children: int,
+    deselect: list[str] | None = None,
+    timeout: int = 120,
 ) -> None:
     """A fresh copy of HEAD with mutmut's config for one area."""
     if tree.exists():
@@ -189,7 +194,7 @@ def prepare_tree(
         "only_mutate": modules,
         "also_copy": ["memos_kernels", "memos_edge"],
         "pytest_add_cli_args_test_selection": tests,
-        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--timeout=120"]
+        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "no:xdist", "-q", f"--timeout={timeout}"]
         + [arg for test in deselect or [] for arg in ("--deselect", test)],
     }
     lines = ["", "[tool.mutmut]"] + [f"{k} = {json.dumps(v)}" for k, v in config.items()]
@@ -277,6 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--function", action="append", help="only functions whose mutmut name matches this glob")
     ap.add_argument("--workdir", type=Path, default=Path(os.environ.get("MUTATION_WORKDIR", "/tmp/memos-mutation")))
     ap.add_argument("--max-children", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument(
+        "--timeout",
+        type=int,
+        default=120,
+        help="pytest-timeout per test, seconds: a mutant that makes a test hang fails it after this (default 120;"
+        " keep it at 3x the area's slowest test under load, or a slow unmutated test would count as a kill)",
+    )
     ap.add_argument("--list", action="store_true", help="print the functions that would be mutated, run nothing")
     ap.add_argument("--tests", action="append", help="test file globs to use instead of the area's (a quick look)")
     ap.add_argument(
@@ -340,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.list or not targets:
             continue
         tree = args.workdir / area
-        prepare_tree(tree, sorted(targets), tests, args.max_children, sorted(DESELECT.get(area, {})))
+        prepare_tree(tree, sorted(targets), tests, args.max_children, sorted(DESELECT.get(area, {})), args.timeout)
         patterns = [f"{module_name(m)}.{n}__mutmut_*" for m, names in targets.items() for n in sorted(names)]
         start = time.monotonic()
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -355,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         if done.returncode != 0:
             print(f"   mutmut exited with {done.returncode}; see {log}")
         run_summary = {"area": area, "commit": head, "base": None if args.full else base, "seconds": seconds}
-        run_summary.update(tests=tests, only=args.function, max_children=args.max_children)
+        run_summary.update(tests=tests, only=args.function, max_children=args.max_children, timeout=args.timeout)
         run_summary["functions"] = sum(map(len, targets.values()))
         if done.returncode != 0:
             run_summary["partial"] = True  # stopped (deadline, kill): what mutmut's meta holds is recorded
