@@ -109,6 +109,11 @@ DESELECT: dict[str, dict[str, str]] = {
         "tests/test_quant.py::test_generation_with_every_scheme": "as for quant-codecs: the attention paths of"
         " quantized pools are checked by the same file's pool tests and tests/test_kernel_path.py",
     },
+    "paged": {
+        "tests/test_paged_stateful.py::TestPagedMachine": "as for memory: a Hypothesis state machine under mutmut's"
+        " tracing risks FlakyStrategyDefinition in the stats phase (no mutant would run), and it costs 17 s a"
+        " survivor; the deterministic tests of test_paged_sequence.py and test_mutation_paged.py cover its rules",
+    },
     "memory": {
         "tests/test_memory_store.py::TestStoreMachine": "Hypothesis's stateful machine fails mutmut's stats phase with"
         " FlakyStrategyDefinition (its data generation differs under mutmut's tracing), so no mutant would run; the"
