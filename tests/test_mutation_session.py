@@ -246,3 +246,35 @@ def test_the_manifest_limit_falls_back_to_the_module_default(monkeypatch):
     assert persist.manifest_limit() == 1234
     monkeypatch.delattr(memos_ref.session, "MAX_MANIFEST_BYTES")
     assert persist.manifest_limit() == persist.MAX_MANIFEST_BYTES == 32 << 20
+
+
+# ---------------------------------------------------------------- issue 30, second full mutmut run: the canonical form
+def test_the_manifest_checksum_is_sha256_of_the_documented_canonical_json():
+    """The checksum covers canonical JSON: keys sorted at every depth, no spaces, non-ASCII escaped as \\uXXXX, and
+    ``manifest_sha256`` itself left out. The oracle is SHA-256 over bytes written out by hand."""
+    manifest = {"manifest_sha256": "left out", "zeta": [1, 2.5], "alpha": {"b": "modèle", "a": None}}
+    canonical = b'{"alpha":{"a":null,"b":"mod\\u00e8le"},"zeta":[1,2.5]}'
+    assert manifest_checksum(manifest) == hashlib.sha256(canonical).hexdigest()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_the_canonical_form_refuses_nan_and_the_infinities(value):
+    """NaN and the infinities have no JSON spelling, so no canonical form: checksumming a manifest holding one is
+    refused rather than hashing Python's non-standard ``NaN``/``Infinity``."""
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        manifest_checksum({"format": "memos-ref-session", "bytes": value})
+
+
+def test_a_manifest_written_by_another_implementation_following_the_canonical_form_loads(saved):
+    """A writer that follows the documented canonical form (here: the checksum computed with a hand-written
+    ``json.dumps`` using those options) but lays its file out differently (keys in another order, indented, UTF-8
+    rather than escapes) produces a manifest that verifies and loads."""
+    path, manifest, _ = saved
+    foreign = {key: manifest[key] for key in reversed(sorted(manifest)) if key != "manifest_sha256"}
+    foreign["fingerprint"] = "modèle-ü"
+    canonical = json.dumps(foreign, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    foreign["manifest_sha256"] = hashlib.sha256(canonical.encode("ascii")).hexdigest()
+    raw = json.dumps(foreign, indent=2, ensure_ascii=False).encode("utf-8")
+    assert "modèle-ü".encode() in raw and b", " not in raw.replace(b",\n", b"")
+    parsed = parse_manifest(raw, path, VOCAB)
+    assert parsed["fingerprint"] == "modèle-ü" and parsed["token_ids"] == manifest["token_ids"]
