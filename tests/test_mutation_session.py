@@ -5,18 +5,23 @@ Here each edit leaves a manifest that is valid in every field but the checksum, 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import os
+import re
 
 import pytest
 import torch
 from safetensors.torch import save as save_tensors
 
-from memos_ref.errors import CorruptCacheError
+from memos_ref.errors import ArgumentTypeError, CorruptCacheError, InvalidArgumentError
 from memos_ref.session.persist import (
     MAX_TENSOR_HEADER_BYTES,
     manifest_checksum,
     parse_manifest,
+    read_bounded,
     read_session_tensor,
     write_session,
 )
@@ -278,3 +283,151 @@ def test_a_manifest_written_by_another_implementation_following_the_canonical_fo
     assert "modèle-ü".encode() in raw and b", " not in raw.replace(b",\n", b"")
     parsed = parse_manifest(raw, path, VOCAB)
     assert parsed["fingerprint"] == "modèle-ü" and parsed["token_ids"] == manifest["token_ids"]
+
+
+# ---------------------------------------------------------------- issue 30, second full mutmut run: read_bounded
+def test_read_bounded_names_the_argument_and_what_it_got(tmp_path):
+    """Each refused argument is named with what was expected and what came (the package's error contract), and a
+    limit of 0 is a valid bound: an empty file reads as ``b""``, a one-byte file is refused."""
+    empty, one = tmp_path / "empty", tmp_path / "one"
+    empty.write_bytes(b"")
+    one.write_bytes(b"x")
+    with pytest.raises(ArgumentTypeError, match=r"^path: expected str or PathLike, got int \(3\)$"):
+        read_bounded(3, 10)
+    with pytest.raises(ArgumentTypeError, match=r"^limit: expected int, got float \(1\.5\)$"):
+        read_bounded(empty, 1.5)
+    with pytest.raises(InvalidArgumentError, match=r"^limit: expected a number of bytes >= 0, got -1$"):
+        read_bounded(empty, -1)
+    assert read_bounded(empty, 0) == b""
+    with pytest.raises(CorruptCacheError, match=r"holds 1 bytes, more than the 0 expected at most$"):
+        read_bounded(one, 0)
+
+
+def test_a_path_that_cannot_be_opened_is_named_and_quoted_at_most_200_characters(tmp_path):
+    """A missing file is refused naming it; a hostile path (here 300 characters and a NUL) is quoted by its first 200
+    characters only."""
+    missing = tmp_path / "missing.json"
+    with pytest.raises(CorruptCacheError) as info:
+        read_bounded(missing, 10)
+    assert str(info.value).startswith(f"cannot open {str(missing)!r}: [Errno {errno.ENOENT}]")
+    with pytest.raises(CorruptCacheError) as info:
+        read_bounded("x" * 300 + "\x00", 10)
+    assert str(info.value) == f"cannot open {'x' * 200!r}: embedded null byte"
+
+
+@contextlib.contextmanager
+def _reads_recorded(monkeypatch, after_read=None):
+    """``os.read`` spied on: yields the list of ``(bytes asked, bytes returned)``; ``after_read(call_index)`` runs
+    after each read (another writer, say)."""
+    real_read, calls = os.read, []
+
+    def spy(fd, n):
+        chunk = real_read(fd, n)
+        calls.append((n, len(chunk)))
+        if after_read is not None:
+            after_read(len(calls) - 1)
+        return chunk
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "read", spy)
+        yield calls
+
+
+def test_a_large_file_is_read_in_chunks_of_at_most_1_mib_never_asking_past_limit_plus_one(tmp_path, monkeypatch):
+    """A 2.5 MiB file at a 2.5 MiB limit comes back byte-identical, read in chunks of at most 1 MiB (so a large
+    limit never allocates a buffer of its own size), and no read asks for more than the ``limit + 1`` bytes the
+    bound allows in total."""
+    limit = 5 << 19  # 2.5 MiB
+    data = bytes(range(256)) * (limit // 256)
+    path = tmp_path / "big"
+    path.write_bytes(data)
+    with _reads_recorded(monkeypatch) as calls:
+        assert read_bounded(path, limit) == data
+    assert max(n for n, _ in calls) == 1 << 20 and len(calls) >= 3
+    received = 0
+    for asked, got in calls:
+        assert asked <= limit + 1 - received
+        received += got
+    assert received == limit
+
+
+def test_a_file_that_grows_after_its_size_is_checked_is_refused_not_truncated(tmp_path, monkeypatch):
+    """Another writer appends between the size check and the read: the file is refused (it grew past the limit),
+    never returned cut at the limit."""
+    path = tmp_path / "m.json"
+    path.write_bytes(b"x" * 10)
+    real_fstat = os.fstat
+
+    def fstat_then_append(fd):
+        info = real_fstat(fd)
+        with open(path, "ab") as fh:
+            fh.write(b"y" * 5)
+        return info
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "fstat", fstat_then_append)
+        with pytest.raises(CorruptCacheError, match=rf"^{re.escape(str(path))} grew past 10 bytes while being read$"):
+            read_bounded(path, 10)
+
+
+def test_a_file_that_grows_while_read_is_refused_after_at_most_limit_plus_one_bytes(tmp_path, monkeypatch):
+    """The file holds exactly ``limit`` bytes at the first read, then another writer appends 1000 more: one extra
+    byte is read to find that out, and the file is refused — having read ``limit + 1`` bytes of it, no more."""
+    path = tmp_path / "m.json"
+    path.write_bytes(b"x" * 10)
+
+    def append_once(index):
+        if index == 0:
+            with open(path, "ab") as fh:
+                fh.write(b"y" * 1000)
+
+    with (
+        _reads_recorded(monkeypatch, append_once) as calls,
+        pytest.raises(CorruptCacheError, match=r"grew past 10 bytes while being read$"),
+    ):
+        read_bounded(path, 10)
+    assert sum(got for _, got in calls) == 11
+
+
+def test_a_read_error_is_refused_naming_the_file_and_the_cause(tmp_path, monkeypatch):
+    """A failing disk (an ``OSError`` from the read itself) is a CorruptCacheError naming the file and the cause."""
+    path = tmp_path / "m.json"
+    path.write_bytes(b"x" * 10)
+
+    def failing_read(fd, n):
+        raise OSError(errno.EIO, "Input/output error")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "read", failing_read)
+        with pytest.raises(CorruptCacheError) as info:
+            read_bounded(path, 10)
+    assert str(info.value) == f"cannot read {path}: [Errno {errno.EIO}] Input/output error"
+
+
+def test_read_bounded_works_where_the_platform_has_no_o_nonblock(tmp_path, monkeypatch):
+    """Windows' ``os`` has no ``O_NONBLOCK``: the flag is then left out (not ``None``, not another flag such as
+    ``O_WRONLY``) and the file reads as usual. Simulated here by removing the attribute."""
+    path = tmp_path / "m.json"
+    path.write_bytes(b"x" * 10)
+    with monkeypatch.context() as m:
+        m.delattr(os, "O_NONBLOCK")
+        assert read_bounded(path, 10) == b"x" * 10
+
+
+def test_read_bounded_asks_for_o_binary_where_the_platform_has_it(tmp_path, monkeypatch):
+    """On Windows a descriptor opened without ``O_BINARY`` is in text mode (CRLF translated, Ctrl-Z read as the end
+    of the file), which would change the bytes checksummed. Where ``os`` has ``O_BINARY`` it is passed to
+    ``os.open``; simulated here with a harmless real flag (``O_CLOEXEC``) standing in for it."""
+    path = tmp_path / "m.json"
+    path.write_bytes(b"a\r\nb\x1ac")
+    real_open, flags = os.open, []
+
+    def spy(file, flag, *args, **kwargs):
+        flags.append(flag)
+        return real_open(file, flag, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "O_BINARY", os.O_CLOEXEC, raising=False)
+        m.setattr(os, "open", spy)
+        assert read_bounded(path, 10) == b"a\r\nb\x1ac"
+    assert len(flags) == 1 and flags[0] & os.O_CLOEXEC and flags[0] & os.O_NONBLOCK
