@@ -536,3 +536,400 @@ def test_kivi_dequantize_reads_the_key_groups_from_the_codes_and_handles_no_toke
     q32 = KIVI(4, 32).quantize(x, "key")
     torch.testing.assert_close(KIVI(4, 16).dequantize(q32), KIVI(4, 32).dequantize(q32))
     assert KIVI(4, 16).dequantize(KIVI(4, 16).quantize(torch.zeros(1, 0, 16), "key")).shape == (1, 0, 16)
+
+
+# -- the pool: staging, sealing, bookkeeping (memos_ref/quant/pool.py) -------------------------------------------
+# Oracles: the K/V a test wrote (a staged block holds them at full precision), and a separate codec's own
+# encode/decode of the same values (what a sealed block must read back as).
+
+from memos_ref.errors import InvalidBlockError, StagingFullError  # noqa: E402
+
+SPEC16 = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16, block_size=T)
+
+
+def _pool(scheme=None, num_blocks=6, spec=SPEC, **kw):
+    """A pool with a residual window (blocks are staged at full precision, then sealed) unless ``residual_tokens=0``
+    is given; 4 staging blocks by default."""
+    kw.setdefault("residual_tokens", T)
+    kw.setdefault("staging_blocks", 4)
+    return QuantizedBlockPool(spec, num_blocks, scheme or PerTokenInt8(), **kw)
+
+
+def _fill(pool, block, gen, amp=1.0, dtype=torch.float32):
+    """Write one whole block (every layer) with random K/V; returns them as ``kv [L, 2, H, T, D]``."""
+    kv = (amp * torch.randn(L, 2, H, T, D, generator=gen)).to(dtype)
+    slots = torch.arange(block * T, (block + 1) * T)
+    for layer in range(L):
+        pool.write(layer, slots, kv[layer, 0].transpose(0, 1), kv[layer, 1].transpose(0, 1))
+    return kv
+
+
+def _sealed(scheme, kv):
+    """What a sealed block holding ``kv [L, 2, H, T, D]`` reads back as, by a codec of its own: ``[L, 2, H, T, D]``."""
+    codec = scheme.codec(SPEC, CPU)
+    payload = codec.allocate(1)
+    codec.encode(payload, torch.tensor([0]), kv[None].float())
+    return torch.stack([codec.decode(payload, torch.tensor([0]), layer)[0] for layer in range(L)])
+
+
+def _read(pool, block):
+    """``[L, 2, H, T, D]`` of one block, layer by layer through ``read_blocks``."""
+    return torch.stack([pool.read_blocks(torch.tensor([block]), layer)[0] for layer in range(L)])
+
+
+def _count_decodes(pool, monkeypatch):
+    """Count the pool codec's ``decode`` calls (a list that grows by one per call)."""
+    calls, decode = [], pool.codec.decode
+    monkeypatch.setattr(pool.codec, "decode", lambda *a: calls.append(a[1].tolist()) or decode(*a))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "name, kw",
+    [
+        ("num_blocks", {"num_blocks": 4.0}),
+        ("residual_tokens", {"residual_tokens": 8.0}),
+        ("staging_blocks", {"staging_blocks": 2.0}),
+        ("layer_scales", {"layer_scales": [[0.1, 0.1]] * L}),
+    ],
+)
+def test_pool_arguments_of_the_wrong_type_are_refused_by_name(name, kw):
+    """Each size or scale of the wrong type raises an ArgumentTypeError that starts with the argument's name."""
+    args = {"num_blocks": 4, **kw}
+    with pytest.raises(ArgumentTypeError, match=rf"^{name}: expected "):
+        QuantizedBlockPool(SPEC, args.pop("num_blocks"), PerTokenInt8(), **args)
+
+
+def test_pool_sizes_and_schemes_out_of_range_are_refused_naming_the_value():
+    """0 blocks, a negative residual window or staging count, and a scheme with no block layout are refused with a
+    ConfigError naming the value; the smallest valid sizes (1 block, 0 staging blocks) are accepted."""
+    for n in (0, -1):
+        with pytest.raises(ConfigError, match=rf"^num_blocks must be a positive int, got {n}$"):
+            QuantizedBlockPool(SPEC, n, PerTokenInt8())
+    with pytest.raises(ConfigError, match=r"^residual_tokens must be >= 0, got -1$"):
+        QuantizedBlockPool(SPEC, 4, PerTokenInt8(), residual_tokens=-1)
+    with pytest.raises(ConfigError, match=r"^staging_blocks must be >= 0, got -1$"):
+        QuantizedBlockPool(SPEC, 4, PerTokenInt8(), staging_blocks=-1)
+    schemes = "Float16, PerTokenInt8, PerTensorInt8, FP8E4M3 or KIVI"
+    with pytest.raises(ConfigError, match=rf"^unsupported scheme 'int8': expected {schemes}$"):
+        QuantizedBlockPool(SPEC, 4, "int8")
+    assert QuantizedBlockPool(SPEC, 1, PerTokenInt8()).num_blocks == 1
+    pool = QuantizedBlockPool(SPEC, 4, PerTokenInt8(), residual_tokens=T, staging_blocks=0)
+    assert pool.staging_capacity == 0 and pool.staging_available == 0
+
+
+def test_default_staging_is_none_when_streaming_else_a_quarter_of_the_pool_but_at_least_8():
+    """A streaming pool (no residual window) stages nothing; a pool with one gets max(8, num_blocks // 4) staging
+    blocks."""
+    for scheme in (PerTokenInt8(), FP8E4M3(), PerTensorInt8(0.1)):
+        pool = QuantizedBlockPool(SPEC, 40, scheme)
+        assert pool.streaming and pool.staging_capacity == 0 and pool.staging.shape[0] == 0
+    for n, want in ((4, 8), (16, 8), (36, 9), (40, 10), (43, 10)):
+        pool = QuantizedBlockPool(SPEC, n, PerTokenInt8(), residual_tokens=T)
+        assert pool.staging_capacity == want and pool.staging_available == want, n
+
+
+def test_staging_and_reads_are_in_the_models_dtype():
+    """An fp16 model's pool stages its K/V in fp16 (the slab the kernels read) and reads back fp16: a staged block
+    bit for bit, a sealed one as its codec decodes it, rounded once to fp16."""
+    gen = torch.Generator().manual_seed(31)
+    pool = _pool(spec=SPEC16)
+    assert pool.staging.dtype == torch.float16 and pool.kernel_args(1)["staging"].dtype == torch.float16
+    kv = [_fill(pool, b, gen, dtype=torch.float16) for b in (0, 1)]
+    pool.seal([0])
+    staged, sealed = _read(pool, 1), _read(pool, 0)
+    assert staged.dtype == sealed.dtype == torch.float16
+    assert torch.equal(staged, kv[1])
+    assert torch.equal(sealed, _sealed(PerTokenInt8(), kv[0]).half())
+
+
+def test_the_block_to_staging_row_map_says_minus_one_for_every_block_not_staged():
+    """The host map and the kernels' device copy of it hold -1 (sealed / no row) for every block of a fresh pool,
+    the row for a staged block, and -1 again once it is sealed."""
+    pool = _pool()
+    for m in (pool.staging_slot, pool.device_staging_slot):
+        assert m.dtype == torch.long and m.tolist() == [-1] * 6
+    _fill(pool, 2, torch.Generator().manual_seed(32))
+    want = [-1, -1, 0, -1, -1, -1]
+    assert pool.staging_slot.tolist() == pool.device_staging_slot.tolist() == want
+    pool.seal([2])
+    assert pool.staging_slot.tolist() == pool.device_staging_slot.tolist() == [-1] * 6
+
+
+def test_a_calibrated_per_tensor_pool_holds_the_scales_it_was_given():
+    """``layer_scales`` of a calibrated per-tensor int8 pool are the ``[L, 2]`` scales it was built with (what its
+    bytes and its encode use); other schemes have none."""
+    scales = torch.tensor([[0.5, 0.25], [0.125, 2.0]])
+    pool = QuantizedBlockPool(SPEC, 4, PerTensorInt8(), layer_scales=scales)
+    assert torch.equal(pool.layer_scales, scales)
+    assert QuantizedBlockPool(SPEC, 4, PerTokenInt8()).layer_scales is None
+
+
+def test_stats_count_exactly_the_staged_and_sealed_blocks():
+    """``stats()`` reports, by name: the blocks staged now, the slab's capacity and its free rows, the blocks sealed
+    so far (summed over every seal), and nothing rescaled or clipped for per-token int8."""
+    gen = torch.Generator().manual_seed(33)
+    pool = _pool(num_blocks=8, staging_blocks=5)
+    zero = {"staged_blocks": 0, "staging_capacity": 5, "seals": 0, "rescales": 0, "clipped": 0, "staging_free": 5}
+    assert pool.stats() == zero
+    for b in (0, 1, 2, 3):
+        _fill(pool, b, gen)
+    assert pool.stats() == {**zero, "staged_blocks": 4, "staging_free": 1}
+    pool.seal([0, 1])
+    pool.seal([3])
+    assert pool.stats() == {**zero, "staged_blocks": 1, "seals": 3, "staging_free": 4}
+    assert pool.seals == 3 and pool.staged_blocks == 1
+
+
+def test_clipped_counts_every_value_beyond_a_fixed_per_tensor_scale_over_writes_and_seals():
+    """A fixed per-tensor int8 scale clips values beyond ±127.5·scale; ``clipped`` is the running total of such
+    values over keys and values, every streamed write and every seal."""
+    scheme = PerTensorInt8(0.01)  # clips |x| > 1.275
+    k, v = torch.zeros(2, H, D), torch.zeros(2, H, D)
+    k[0, 0, :3] = 10.0
+    v[1, 1, :2] = -10.0
+    stream = QuantizedBlockPool(SPEC, 4, scheme)
+    stream.write(0, torch.tensor([0, 1]), k, v)
+    assert stream.clipped == 5
+    stream.write(1, torch.tensor([T, T + 1]), k, v)
+    assert stream.clipped == 10 and stream.stats()["clipped"] == 10
+    staged = _pool(scheme)
+    gen = torch.Generator().manual_seed(34)
+    kv = [_fill(staged, b, gen, amp=2.0) for b in (0, 1)]
+    want = [int((x.abs() / 0.01 > 127.5).sum()) for x in kv]
+    assert staged.clipped == 0 and min(want) > 0
+    staged.seal([0])
+    assert staged.clipped == want[0]
+    staged.seal([1])
+    assert staged.clipped == want[0] + want[1]
+
+
+@pytest.mark.parametrize("residual", [0, T], ids=["streaming", "staged"])
+def test_a_write_skips_slots_of_minus_one(residual):
+    """Slot -1 skips its token: the others land at their slots, and no other block (the last one included, which
+    -1 would index from the end) is touched or staged."""
+    pool = _pool(residual_tokens=residual, num_blocks=4)
+    k, v = torch.randn(3, H, D), torch.randn(3, H, D)
+    pool.write(0, torch.tensor([0, -1, 1]), k, v)
+    got = pool.read_blocks(torch.arange(4), 0)  # [4, 2, H, T, D]
+    codec = PerTokenInt8()
+    for kv, x in ((0, k), (1, v)):
+        want = x[[0, 2]].transpose(0, 1) if residual else codec.round_trip(x[[0, 2]].transpose(0, 1), "key")
+        torch.testing.assert_close(got[0, kv, :, :2], want)
+    assert not bool(got[1:].any()) and bool((got[0, :, :, 2:] == 0).all())
+    assert pool.staging_slot.tolist() == ([-1] * 4 if not residual else [0, -1, -1, -1])
+
+
+def test_a_non_finite_value_is_refused_naming_layer_kind_and_value_and_nothing_is_written():
+    """NaN or inf in K/V raises an InvalidArgumentError naming the layer (when writing), key or value, and the
+    first non-finite value itself; ``check_kv`` with no layer names only the kind. Nothing is written."""
+    pool = _pool()
+    k, v = torch.ones(2, H, D), torch.ones(2, H, D)
+    v[1, 0, 3] = float("inf")
+    with pytest.raises(InvalidArgumentError, match=r"^layer 1 value: found a non-finite value \(inf\); a int8_token"):
+        pool.write(1, torch.tensor([0, 1]), k, v)
+    k[0, 1, 1] = float("nan")
+    with pytest.raises(InvalidArgumentError, match=r"^key: found a non-finite value \(nan\); "):
+        pool.check_kv(k, v)
+    with pytest.raises(InvalidArgumentError, match=r"^value: found a non-finite value \(inf\); "):
+        pool.check_kv(torch.ones(2, H, D), v)
+    assert pool.staging_slot.tolist() == [-1] * 6 and not bool(pool.staging.any())
+
+
+def test_a_write_needing_more_staging_than_is_free_is_refused_with_the_counts():
+    """A write whose blocks need more staging rows than are free raises StagingFullError saying how many it needs,
+    how many of the slab's rows are free (``needed`` / ``capacity``) and what to change; nothing is staged."""
+    pool = _pool(staging_blocks=1)
+    with pytest.raises(StagingFullError) as e:
+        pool.write(0, torch.tensor([0, T, 2 * T]), torch.ones(3, H, D), torch.ones(3, H, D))
+    assert str(e.value) == (
+        "3 blocks need full-precision staging but 1 of 1 staging blocks are free (they hold the residual windows "
+        "of live sequences): raise staging_blocks or lower residual_tokens"
+    )
+    assert (e.value.needed, e.value.capacity) == (3, 1)
+    assert pool.staging_slot.tolist() == [-1] * 6 and pool.staging_available == 1
+
+
+def test_a_sealed_block_is_decoded_for_a_write_only_when_the_write_keeps_earlier_offsets(monkeypatch):
+    """Writing into sealed blocks re-stages them: a block written from offset 0 starts afresh (no decode), a block
+    written from a later offset is decoded first (once per layer, that block only), so its earlier offsets read
+    back as sealed — also when both kinds are in one write."""
+    gen = torch.Generator().manual_seed(35)
+    pool = _pool()
+    kv = [_fill(pool, b, gen) for b in (0, 1)]
+    pool.seal([0, 1])
+    calls = _count_decodes(pool, monkeypatch)
+    k, v = torch.randn(4, H, D, generator=gen), torch.randn(4, H, D, generator=gen)
+    pool.write(0, torch.tensor([0, 1, T + 3, T + 4]), k, v)  # block 0 from offset 0, block 1 from offset 3
+    assert calls == [[1]] * L
+    got = _read(pool, 1)
+    torch.testing.assert_close(got[..., :3, :], _sealed(PerTokenInt8(), kv[1])[..., :3, :], rtol=0, atol=0)
+    torch.testing.assert_close(got[0, 0, :, 3:5], k[2:].transpose(0, 1), rtol=0, atol=0)
+    calls.clear()
+    _fill(pool, 2, gen)  # a never-sealed block from offset 0: nothing to decode
+    pool.seal([2])
+    pool.write(1, torch.tensor([2 * T]), k[:1], v[:1])
+    assert calls == []
+
+
+def test_copy_on_write_of_a_staged_block_is_refused_when_no_staging_row_is_free():
+    """Copying a staged block (here the one in slab row 0) to an unstaged block when the slab is full raises
+    StagingFullError (needing 1, 0 free) before anything is copied: the destination reads as before."""
+    gen = torch.Generator().manual_seed(36)
+    pool = _pool(staging_blocks=1)
+    kv = _fill(pool, 1, gen)
+    pool.seal([1])
+    src = _fill(pool, 0, gen)
+    assert pool.staging_slot.tolist()[:2] == [0, -1] and pool.staging_available == 0
+    before = _read(pool, 1)
+    with pytest.raises(StagingFullError) as e:
+        pool.copy_block(0, 1)
+    assert str(e.value) == (
+        "no free staging block for a copy-on-write of a staged block: raise staging_blocks or lower residual_tokens"
+    )
+    assert (e.value.needed, e.value.capacity) == (1, 0)
+    assert torch.equal(_read(pool, 1), before) and torch.equal(before, _sealed(PerTokenInt8(), kv))
+    assert torch.equal(_read(pool, 0), src) and pool.staging_slot.tolist()[:2] == [0, -1]
+
+
+def test_copy_on_write_into_a_staged_destination_reuses_its_staging_row():
+    """With every staging row taken, copying a staged block onto another staged block (in row 0) needs no new
+    row: the destination reads the source's values, the source is untouched, and no row is taken or freed."""
+    gen = torch.Generator().manual_seed(37)
+    pool = _pool(staging_blocks=2)
+    _fill(pool, 3, gen)  # row 0
+    src = _fill(pool, 1, gen)  # row 1
+    assert pool.staging_slot.tolist()[1:4:2] == [1, 0] and pool.staging_available == 0
+    pool.copy_block(1, 3)
+    assert torch.equal(_read(pool, 3), src) and torch.equal(_read(pool, 1), src)
+    assert pool.staging_slot.tolist()[1:4:2] == [1, 0] and pool.staging_available == 0
+
+
+def test_copy_on_write_of_a_staged_block_onto_a_sealed_one_copies_the_row_without_decoding(monkeypatch):
+    """Copying a staged block onto a sealed one gives the destination a staging row holding the source's exact
+    values; the destination's old contents are replaced whole, so nothing is decoded."""
+    gen = torch.Generator().manual_seed(38)
+    pool = _pool()
+    _fill(pool, 2, gen)
+    pool.seal([2])
+    src = _fill(pool, 4, gen)
+    calls = _count_decodes(pool, monkeypatch)
+    pool.copy_block(4, 2)
+    assert calls == []
+    assert pool.is_staged(2) and torch.equal(_read(pool, 2), src) and torch.equal(_read(pool, 4), src)
+
+
+def test_block_is_a_dequantized_copy_of_every_layer_of_that_block():
+    """``block(b)`` is ``[L, 2, H, T, D]``: each layer's keys and values of block b (not block 0), staged ones as
+    written and sealed ones as their codec decodes them; it is a copy."""
+    gen = torch.Generator().manual_seed(39)
+    pool = _pool()
+    kv = [_fill(pool, b, gen) for b in range(3)]
+    assert torch.equal(pool.block(2), kv[2])
+    pool.seal([1])
+    got = pool.block(1)
+    assert got.shape == (L, 2, H, T, D) and torch.equal(got, _sealed(PerTokenInt8(), kv[1]))
+    got.zero_()
+    assert torch.equal(pool.block(1), _sealed(PerTokenInt8(), kv[1]))
+
+
+def test_read_blocks_refuses_block_ids_outside_the_pool_and_tables_that_are_not_tensors():
+    """Every id passed to ``read_blocks`` is checked (a negative one too, which would otherwise index from the end)
+    with an InvalidBlockError naming them; a list instead of a tensor is an ArgumentTypeError."""
+    pool = _pool(num_blocks=4)
+    for bad in ([-1], [0, 4]):
+        with pytest.raises(InvalidBlockError, match=rf"^block_table holds block ids \[{bad[-1]}\] outside \[0, 4\)$"):
+            pool.read_blocks(torch.tensor(bad), 0)
+    with pytest.raises(ArgumentTypeError, match=r"^block_table: expected Tensor, got list"):
+        pool.read_blocks([0, 1], 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32])
+def test_gather_reads_the_same_keys_and_values_from_a_block_table_of_any_integer_dtype(dtype):
+    """A block table of uint8 (never taken as a mask), int16 or int32 ids gathers what the int64 table does."""
+    gen = torch.Generator().manual_seed(40)
+    pool = _pool()
+    for b in (1, 3, 0):
+        _fill(pool, b, gen)
+    pool.seal([3])
+    table = torch.tensor([3, 0, 1])
+    for layer in range(L):
+        want = pool.gather(layer, table, 2 * T + 3)
+        got = pool.gather(layer, table.to(dtype), 2 * T + 3)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert got[0].shape == (H, 2 * T + 3, D)
+
+
+def test_seal_refuses_blocks_that_are_not_a_list_naming_the_argument():
+    """``seal`` takes a list or tuple of block ids; anything else is an ArgumentTypeError naming ``blocks``."""
+    pool = _pool()
+    _fill(pool, 0, torch.Generator().manual_seed(41))
+    with pytest.raises(ArgumentTypeError, match=r"^blocks: expected list or tuple, got int"):
+        pool.seal(0)
+    assert pool.is_staged(0) and pool.seals == 0
+
+
+@pytest.mark.parametrize("scheme", [PerTokenInt8(), FP8E4M3()], ids=str)
+def test_poison_makes_every_read_of_that_block_nan_and_nothing_else(scheme):
+    """Poisoning a block (debug mode, after it is freed) makes all of it read NaN, sealed or staged (its staging
+    row is given back); every other block reads as before."""
+    gen = torch.Generator().manual_seed(42)
+    pool = _pool(scheme)
+    for b in range(4):
+        _fill(pool, b, gen)
+    pool.seal([0, 1])
+    before = [_read(pool, b) for b in range(4)]
+    free = pool.staging_available
+    pool.poison(1)  # sealed
+    pool.poison(3)  # staged
+    assert bool(_read(pool, 1).isnan().all()) and bool(_read(pool, 3).isnan().all())
+    assert torch.equal(_read(pool, 0), before[0]) and torch.equal(_read(pool, 2), before[2])
+    assert not pool.is_staged(3) and pool.staging_available == free + 1
+
+
+def test_an_unhold_without_a_matching_hold_is_caught_naming_the_blocks():
+    """Window holds are counted per block; letting go of a block no window holds is a bookkeeping bug, raised at
+    once (AssertionError naming the blocks) rather than leaving a negative count to seal blocks early."""
+    pool = _pool()
+    pool.hold([2, 2, 3])
+    pool.unhold([2, 3])
+    assert pool.window_holds.tolist() == [0, 0, 1, 0, 0, 0]
+    with pytest.raises(AssertionError, match=r"^window holds below zero for blocks \[3\]$"):
+        pool.unhold([3])
+
+
+def test_seal_unheld_of_no_blocks_or_on_a_streaming_pool_seals_nothing():
+    """``seal_unheld`` returns how many blocks it sealed: 0 for an empty list (blocks stay staged), 0 on a streaming
+    pool, and the count of staged, unheld blocks otherwise."""
+    gen = torch.Generator().manual_seed(43)
+    pool = _pool()
+    for b in (0, 1, 2):
+        _fill(pool, b, gen)
+    pool.hold([1])
+    assert pool.seal_unheld([]) == 0 and pool.staged_blocks == 3
+    assert pool.seal_unheld([0, 1, 2, 4]) == 2 and pool.staging_slot.tolist()[:3] == [-1, 1, -1]
+    stream = QuantizedBlockPool(SPEC, 4, PerTokenInt8())
+    assert stream.seal_unheld([0, 1]) == 0 and stream.seal_unheld([]) == 0 and stream.seals == 0
+
+
+def test_a_cached_block_still_inside_a_live_window_is_not_sealed():
+    """The prefix-cache hook seals a staged block only when no live sequence holds it inside its residual window;
+    a held block stays staged, an unheld one is sealed, and an unstaged one is left alone."""
+    gen = torch.Generator().manual_seed(44)
+    pool = _pool()
+    kv = _fill(pool, 0, gen)
+    _fill(pool, 1, gen)
+    pool.hold([0])
+    pool.seal_cached(0)
+    assert pool.is_staged(0) and pool.seals == 0 and torch.equal(_read(pool, 0), kv)
+    pool.seal_cached(1)
+    pool.seal_cached(2)
+    assert not pool.is_staged(1) and pool.seals == 1 and pool.staged_blocks == 1
+
+
+def test_a_quantized_pool_refuses_to_grow_saying_to_size_it_for_the_workload():
+    """``grow`` on a quantized pool raises a ConfigError that says why and what to do, and changes nothing."""
+    pool = _pool()
+    with pytest.raises(ConfigError, match=r"^a quantized pool cannot grow; size it for the workload$"):
+        pool.grow(2)
+    assert pool.num_blocks == 6
