@@ -431,3 +431,115 @@ def test_read_bounded_asks_for_o_binary_where_the_platform_has_it(tmp_path, monk
         m.setattr(os, "open", spy)
         assert read_bounded(path, 10) == b"a\r\nb\x1ac"
     assert len(flags) == 1 and flags[0] & os.O_CLOEXEC and flags[0] & os.O_NONBLOCK
+
+
+# ---------------------------------------------------------------- issue 30, second full mutmut run: parse_manifest
+def _refused_exactly(raw: bytes, path, message: str) -> None:
+    """``parse_manifest`` refuses ``raw`` with exactly ``"<path>: <message>"``."""
+    with pytest.raises(CorruptCacheError) as info:
+        parse_manifest(raw, path, VOCAB)
+    assert str(info.value) == f"{path}: {message}"
+
+
+EXPECTED_FIELDS = (
+    "['bytes', 'fingerprint', 'format', 'kv_spec', 'manifest_sha256', 'segments', 'sha256', 'token_ids', 'version']"
+)
+
+
+def test_what_is_not_a_session_manifest_is_refused_for_that_reason(saved):
+    """JSON that is not an object (a list, a string, a number) and an object of another format (valid in every
+    other field, checksum recomputed) are refused saying what a session manifest is."""
+    path, manifest, _ = saved
+    message = "is not a memos-ref session manifest (format 'memos-ref-session')"
+    for raw in [b"[1, 2]", b'"memos-ref-session"', b"7", b"null"]:
+        _refused_exactly(raw, path, message)
+    _refused_exactly(_resigned(manifest, lambda m: m.update(format="memos-ref-session-v3")), path, message)
+
+
+def test_a_manifest_with_an_extra_field_is_refused_naming_both_field_lists(saved):
+    path, manifest, _ = saved
+    raw = _resigned(manifest, lambda m: m.update(comment="hi"))
+    got = EXPECTED_FIELDS.replace("'bytes', ", "'bytes', 'comment', ")
+    _refused_exactly(raw, path, f"manifest fields {got} are not the expected {EXPECTED_FIELDS}")
+
+
+def test_a_checksum_mismatch_is_refused_with_exactly_its_message(saved):
+    path, manifest, _ = saved
+    raw = _with(manifest, lambda m: m.update(fingerprint="another-model"), resign=False)
+    _refused_exactly(raw, path, "the manifest does not match its checksum (modified or damaged)")
+
+
+def test_a_reader_error_is_quoted_at_most_200_characters(saved, monkeypatch):
+    """The JSON reader's message is quoted by its first 200 characters only (the standard library's are short, so
+    a reader failing with a long one stands in)."""
+    path, _manifest, _ = saved
+
+    def long_failure(text, **kwargs):
+        raise ValueError("x" * 199 + "yz" + "w" * 300)
+
+    monkeypatch.setattr(json, "loads", long_failure)
+    _refused_exactly(b"{}", path, "cannot read the session manifest: " + "x" * 199 + "y")
+
+
+@pytest.mark.parametrize("length, ok", [(0, False), (1, True), (256, True), (257, False)])
+def test_the_fingerprint_length_is_bounded_exactly(saved, length, ok):
+    """A fingerprint of 1 to 256 characters loads; an empty one or one of 257 is refused, quoting at most 80
+    characters of it."""
+    path, manifest, _ = saved
+    raw = _resigned(manifest, lambda m: m.update(fingerprint="f" * length))
+    if ok:
+        assert parse_manifest(raw, path, VOCAB)["fingerprint"] == "f" * length
+    else:
+        got = repr("f" * length)[:80]
+        _refused_exactly(raw, path, f"fingerprint must be a non-empty string of at most 256 characters, got {got}")
+
+
+@pytest.mark.parametrize(
+    "digest",
+    ["a" * 63, "a" * 65, "A" * 64, "X" * 64, "g" * 64, 5, ["a"] * 64],
+    ids=["63-digits", "65-digits", "upper-case", "X", "g", "a-number", "a-list"],
+)
+def test_a_tensor_digest_that_is_not_64_lowercase_hex_digits_is_refused(saved, digest):
+    """The tensor file's sha256 must be 64 lowercase hex digits: too short, too long, upper case, other letters, a
+    number or a list of digits are refused, quoting what came."""
+    path, manifest, _ = saved
+    raw = _resigned(manifest, lambda m: m.update(sha256=digest))
+    _refused_exactly(raw, path, f"sha256 must be 64 lowercase hex digits, got {repr(digest)[:80]}")
+
+
+@pytest.mark.parametrize("value, ok", [(0, True), (-1, False), ("12", False), (True, False), (1.0, False)])
+def test_the_declared_byte_count_is_a_non_negative_int(saved, value, ok):
+    """0 is a valid count for the manifest (the tensor check later compares it with the geometry); a negative
+    number, a string, a bool or a float is refused, quoting it."""
+    path, manifest, _ = saved
+    raw = _resigned(manifest, lambda m: m.update(bytes=value))
+    if ok:
+        assert parse_manifest(raw, path, VOCAB)["bytes"] == value
+    else:
+        _refused_exactly(raw, path, f"bytes must be a non-negative int, got {value!r}")
+
+
+def test_a_kv_spec_that_is_not_an_object_or_not_canonical_is_refused_saying_why(saved):
+    """A kv_spec that is not a JSON object is refused naming the type it is; one that KVSpec reads but would not
+    have written (``bytes_per_token`` left out) is refused showing both dicts."""
+    path, manifest, _ = saved
+    _refused_exactly(
+        _resigned(manifest, lambda m: m.update(kv_spec=[1])),
+        path,
+        "kv_spec is malformed: expected an object, got list",
+    )
+    short = {k: v for k, v in SPEC.to_dict().items() if k != "bytes_per_token"}
+    _refused_exactly(
+        _resigned(manifest, lambda m: m.update(kv_spec=short)),
+        path,
+        f"kv_spec {short} is not what KVSpec.to_dict() writes: {SPEC.to_dict()}",
+    )
+
+
+@pytest.mark.parametrize("tokens, kind", [([], "list"), ({}, "dict"), (5, "int")])
+def test_token_ids_must_be_a_non_empty_list(saved, tokens, kind):
+    """An empty token list (with no segments, so nothing else is wrong), an object or a number is refused naming
+    the type that came."""
+    path, manifest, _ = saved
+    raw = _resigned(manifest, lambda m: m.update(token_ids=tokens, segments=[]))
+    _refused_exactly(raw, path, f"token_ids must be a non-empty list, got {kind}")
