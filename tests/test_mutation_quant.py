@@ -933,3 +933,21 @@ def test_a_quantized_pool_refuses_to_grow_saying_to_size_it_for_the_workload():
     with pytest.raises(ConfigError, match=r"^a quantized pool cannot grow; size it for the workload$"):
         pool.grow(2)
     assert pool.num_blocks == 6
+
+
+def test_reads_land_on_the_pools_device_whatever_torchs_default_device_is():
+    """``read_blocks`` and ``gather`` return tensors on the pool's device even when torch's default device is another
+    one (``torch.set_default_device`` / ``with torch.device(...)``), with the same values."""
+    gen = torch.Generator().manual_seed(45)
+    pool = _pool()
+    for b in (0, 1):
+        _fill(pool, b, gen)
+    pool.seal([0])
+    table = torch.tensor([0, 1])
+    want = pool.read_blocks(table, 1)
+    want_k, want_v = pool.gather(1, table, T + 5)
+    with torch.device(META):
+        got = pool.read_blocks(table, 1)
+        k, v = pool.gather(1, table, T + 5)
+    assert got.device == k.device == v.device == CPU
+    assert torch.equal(got, want) and torch.equal(k, want_k) and torch.equal(v, want_v)
