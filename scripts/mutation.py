@@ -177,6 +177,39 @@ def module_name(path: str) -> str:
     return path.removesuffix(".py").replace("/", ".")
 
 
+#: A pytest plugin written into each area's copy (``-p mutmut_order``): mutmut 3 hands pytest a mutant's covering
+#: tests as a set, in no useful order, and stops at the first failure (``-x``), so a killed mutant costs whatever ran
+#: before its killer. This runs the fastest test files first (by their median test time in mutmut's stats phase),
+#: each file's tests fastest first and kept together, so module-scoped fixtures are set up once. A survivor still
+#: runs every covering test; the verdicts do not change, only the time to reach them.
+ORDER_PLUGIN = '''"""Order a mutant's tests fastest first (written by scripts/mutation.py; see ORDER_PLUGIN there)."""
+import json
+import statistics
+from pathlib import Path
+
+_STATS = Path("mutmut-stats.json")  # mutmut runs pytest inside mutants/, where it keeps this file
+
+
+def _durations():
+    try:
+        return json.loads(_STATS.read_text())["duration_by_test"]
+    except (OSError, ValueError, KeyError):
+        return {}  # the stats phase itself: no order yet
+
+
+def pytest_collection_modifyitems(session, config, items):
+    seconds = _durations()
+    if not seconds:
+        return
+    by_file = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(seconds.get(item.nodeid, 0.0))
+    median = {name: statistics.median(times) for name, times in by_file.items()}
+    items.sort(key=lambda item: (median[item.nodeid.split("::")[0]], item.nodeid.split("::")[0],
+                                 seconds.get(item.nodeid, 0.0)))
+'''
+
+
 def prepare_tree(
     tree: Path,
     modules: list[str],
@@ -197,11 +230,13 @@ def prepare_tree(
     config = {
         "source_paths": ["memos_ref"],
         "only_mutate": modules,
-        "also_copy": ["memos_kernels", "memos_edge"],
+        "also_copy": ["memos_kernels", "memos_edge", "mutmut_order.py"],
         "pytest_add_cli_args_test_selection": tests,
-        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "no:xdist", "-q", f"--timeout={timeout}"]
+        "pytest_add_cli_args": ["-p", "mutmut_order", "-p", "no:cacheprovider", "-p", "no:xdist", "-q"]
+        + [f"--timeout={timeout}"]
         + [arg for test in deselect or [] for arg in ("--deselect", test)],
     }
+    (tree / "mutmut_order.py").write_text(ORDER_PLUGIN)
     lines = ["", "[tool.mutmut]"] + [f"{k} = {json.dumps(v)}" for k, v in config.items()]
     with open(tree / "pyproject.toml", "a") as f:
         f.write("\n".join(lines) + "\n")
