@@ -4,6 +4,8 @@ oracle is the K/V the test wrote, within the scheme's quantization error."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -951,3 +953,28 @@ def test_reads_land_on_the_pools_device_whatever_torchs_default_device_is():
         k, v = pool.gather(1, table, T + 5)
     assert got.device == k.device == v.device == CPU
     assert torch.equal(got, want) and torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+def test_bookkeeping_works_whatever_torchs_default_device_is():
+    """``hold``, ``unhold``, ``seal``, ``seal_unheld`` and ``block`` keep the pool's host maps on the CPU and its
+    indices on the pool's device, so a caller inside ``with torch.device(...)`` (or after
+    ``torch.set_default_device``) gets the same blocks as one outside it. They built their index tensors on torch's
+    default device, and failed (``index_add_`` across devices, an ``IndexError``) or read garbage."""
+    outside, inside = _pool(), _pool()
+    for pool in (outside, inside):
+        gen = torch.Generator().manual_seed(46)  # the same K/V in both pools
+        for b in (0, 1, 2):
+            _fill(pool, b, gen)
+    want = []
+    for pool, device in ((outside, None), (inside, META)):
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            pool.hold([1, 2])
+            pool.seal([0])
+            pool.unhold([1])
+            sealed = pool.seal_unheld([1, 2])
+            blocks = [pool.block(b) for b in (0, 1, 2)]
+        assert all(b.device == CPU for b in blocks)
+        want.append((sealed, [pool.is_staged(b) for b in (0, 1, 2)], blocks, pool.window_holds.tolist()))
+    (s0, st0, b0, h0), (s1, st1, b1, h1) = want
+    assert (s1, st1, h1) == (s0, st0, h0) == (1, [False, False, True], [0, 0, 1, 0, 0, 0])
+    assert all(torch.equal(x, y) for x, y in zip(b0, b1, strict=True))

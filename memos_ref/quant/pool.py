@@ -114,12 +114,12 @@ class QuantizedBlockPool:
         self._staging_free = list(range(staging_blocks - 1, -1, -1))
         # block -> slab row, -1 = sealed: the host's map (bookkeeping reads it per block, free on the CPU), and
         # its copy on the pool's device for the kernels (:attr:`device_staging_slot`), refreshed when stale
-        self.staging_slot = torch.full((num_blocks,), -1, dtype=torch.long)
+        self.staging_slot = torch.full((num_blocks,), -1, dtype=torch.long, device="cpu")
         self._slot_device = torch.full((num_blocks,), -1, dtype=torch.long, device=self.device)
         self._slot_stale = False
         # per block: how many live sequences hold it inside their residual window (they read it at full
         # precision); a block is sealed only when none does (see SequenceCache and the module docstring)
-        self.window_holds = torch.zeros((num_blocks,), dtype=torch.int32)
+        self.window_holds = torch.zeros((num_blocks,), dtype=torch.int32, device="cpu")
         self.layer_scales = self.codec.layer_scales  # [L, 2] per-tensor int8 scales, else None
         self.payload = self.codec.allocate(num_blocks)
         self.rescales = 0  # fp8 blocks whose scale had to grow
@@ -180,7 +180,7 @@ class QuantizedBlockPool:
         if slot < 0:
             slot = self._staging_free.pop()
             if keep_contents:
-                idx = torch.tensor([block])
+                idx = torch.tensor([block], device=self.device)
                 for layer in range(self.spec.num_layers):
                     self.staging[slot, layer] = self.codec.decode(self.payload, idx, layer)[0].to(self.spec.dtype)
             self.staging_slot[block] = slot
@@ -262,14 +262,14 @@ class QuantizedBlockPool:
     def hold(self, blocks: list[int]) -> None:
         """A sequence now holds ``blocks`` inside its residual window: they must stay at full precision."""
         if blocks:
-            idx = torch.tensor(blocks, dtype=torch.long)
-            self.window_holds.index_add_(0, idx, torch.ones(len(blocks), dtype=torch.int32))
+            idx = torch.tensor(blocks, dtype=torch.long, device="cpu")
+            self.window_holds.index_add_(0, idx, torch.ones(len(blocks), dtype=torch.int32, device="cpu"))
 
     def unhold(self, blocks: list[int]) -> None:
         """The reverse of :meth:`hold` (the window moved past them, or the sequence let them go)."""
         if blocks:
-            idx = torch.tensor(blocks, dtype=torch.long)
-            self.window_holds.index_add_(0, idx, torch.full((len(blocks),), -1, dtype=torch.int32))
+            idx = torch.tensor(blocks, dtype=torch.long, device="cpu")
+            self.window_holds.index_add_(0, idx, torch.full((len(blocks),), -1, dtype=torch.int32, device="cpu"))
             if bool((self.window_holds[idx] < 0).any()):  # a bookkeeping bug, never a user error
                 raise AssertionError(f"window holds below zero for blocks {blocks}")
 
@@ -278,7 +278,7 @@ class QuantizedBlockPool:
         no live sequence's residual window. Returns how many were sealed."""
         if self.streaming or not blocks:
             return 0
-        idx = torch.tensor(blocks, dtype=torch.long)
+        idx = torch.tensor(blocks, dtype=torch.long, device="cpu")
         todo = idx[(self.staging_slot[idx] >= 0) & (self.window_holds[idx] == 0)].tolist()
         self.seal(todo)
         return len(todo)
@@ -297,7 +297,7 @@ class QuantizedBlockPool:
         blocks = [b for b in blocks if int(self.staging_slot[b]) >= 0]
         if not blocks:
             return
-        idx = torch.tensor(blocks, dtype=torch.long)
+        idx = torch.tensor(blocks, dtype=torch.long, device="cpu")
         kv = self.staging[self.staging_slot[idx]]  # [m, L, 2, H, T, D]
         self.clipped += self.codec.encode(self.payload, idx, kv)  # fp8 counts 0: its scales fit
         for b in blocks:
@@ -334,7 +334,7 @@ class QuantizedBlockPool:
     def block(self, block: int) -> torch.Tensor:
         """A dequantized *copy* of one block ``[L, 2, H, T, D]`` (quantized blocks have no float view)."""
         block = self._check_block(block)
-        idx = torch.tensor([block])
+        idx = torch.tensor([block], device=self.device)
         return torch.stack([self.read_blocks(idx, layer)[0] for layer in range(self.spec.num_layers)])
 
     def copy_block(self, src: int, dst: int) -> None:
