@@ -617,11 +617,6 @@ def test_a_write_failing_for_another_reason_raises_that_error_and_leaves_nothing
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug reported by h-session: the temporary name adds ~22 characters to the file name, so a legal name near "
-    "NAME_MAX cannot be saved, and ENAMETOOLONG escapes as a bare OSError instead of an InvalidArgumentError",
-)
 def test_the_longest_legal_session_name_saves_and_a_longer_one_is_an_invalid_argument(tmp_path):
     """A session whose file names are as long as the file system allows saves and loads; one whose names are longer
     is an InvalidArgumentError naming ``path`` (a path that cannot be written), leaving nothing behind."""

@@ -10,6 +10,7 @@ values (:func:`read_session_tensor`). Nothing is unpickled; nothing is allocated
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -239,7 +240,8 @@ def session_files(path: str | os.PathLike[str]) -> tuple[Path, Path]:
 def _write_atomic(target: Path, data: bytes) -> None:
     """Write ``data`` to a temporary file beside ``target`` and rename it into place: a reader sees the old
     file or the new one, never a truncated one. A path that cannot be written is an :class:`InvalidArgumentError`."""
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    # at most 200 characters of the name: the temporary name then fits NAME_MAX (255) whenever the target's does
+    tmp = target.with_name(f".{target.name[:200]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         with open(tmp, "wb") as fh:
             fh.write(data)
@@ -247,6 +249,12 @@ def _write_atomic(target: Path, data: bytes) -> None:
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        raise InvalidArgumentError(f"path: cannot write {target}: {exc}") from None
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
         raise InvalidArgumentError(f"path: cannot write {target}: {exc}") from None
     except BaseException:
         with contextlib.suppress(OSError):
