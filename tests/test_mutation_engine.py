@@ -14,6 +14,9 @@ from memos_ref.errors import ConfigError, InvalidArgumentError, OutOfBlocksError
 from memos_ref.paged import PagedKV
 from memos_ref.quant import PerTokenInt8
 from memos_ref.spec import KVSpec
+from memos_ref.tiering.backends import HostMemoryBackend
+from memos_ref.tiering.manager import TierManager
+from memos_ref.tiering.store import Tier, TierStore
 
 T = 8
 
@@ -388,3 +391,164 @@ def test_run_returns_when_the_last_allowed_step_finishes_every_request():
     assert engine.run(max_steps=1) == [one] and one.finished and not one.failed
     two = engine.submit(Request([1, 2, 3], 2))
     assert engine.run(max_steps=2)[-1] is two and two.finished
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tier path (issue 30's survivors in _publish, _read_ahead, _tiers): a CPU pool with a tier manager, and a fake
+# model that writes K/V derived from each token and its position, so a block's content names the tokens it holds.
+# ---------------------------------------------------------------------------------------------------------------
+FP = "testmodel0000000"
+
+
+class _Writer(_Fake):
+    """A ``_Fake`` that writes every layer's K/V: ``K = 1000·token + position + layer/2`` (V = -K) in every head and
+    channel, so the block computed for a prefix has one known content, on any pool."""
+
+    def __call__(self, input_ids, cache, *, position_ids):
+        step = cache.prepare_step(*input_ids.shape)
+        base = (input_ids * 1000 + position_ids).to(SPEC.dtype)[:, None, :, None]  # [B, 1, n, 1]
+        for layer in range(SPEC.num_layers):
+            k = (base + 0.5 * layer).expand(-1, SPEC.num_kv_heads, -1, SPEC.head_dim).contiguous()  # [B, H, n, D]
+            step.write(layer, k, -k)
+        out = torch.zeros(*input_ids.shape, V)
+        out[..., 7] = 1.0
+        return out
+
+
+def _expected_block(ids: list[int], index: int) -> torch.Tensor:
+    """The oracle for the content of full block ``index`` of prefix ``ids`` as ``_Writer`` computes it."""
+    block = torch.empty(SPEC.block_shape, dtype=SPEC.dtype)  # [L, 2, H, T, D]
+    for layer in range(SPEC.num_layers):
+        for j in range(T):
+            pos = index * T + j
+            k = 1000.0 * ids[pos] + pos + 0.5 * layer
+            block[layer, 0, :, j] = k
+            block[layer, 1, :, j] = -k
+    return block
+
+
+class _Host(HostMemoryBackend):
+    """Host memory under another name, recording ``read_ahead`` calls when ``bulk`` (the cluster tier's bulk fetch:
+    returns how many of the keys it holds); ``refuse_after`` puts it then refuses (a full tier); ``fail`` makes both
+    raise (an unreachable tier)."""
+
+    def __init__(self, name: str, *, bulk: bool = False, refuse_after: int | None = None, fail: bool = False) -> None:
+        super().__init__(1 << 20, pin=False)
+        self.name, self.calls, self.refuse_after, self.fail = name, [], refuse_after, fail
+        if bulk:
+            self.read_ahead = self._read_ahead
+
+    def _read_ahead(self, keys):
+        if self.fail:
+            raise ConnectionError("tier down")
+        self.calls.append(list(keys))
+        return sum(k in self._data for k in keys)
+
+    def put(self, key, data):
+        if self.fail:
+            raise ConnectionError("tier down")
+        if self.refuse_after is not None:
+            if self.refuse_after == 0:
+                return False
+            self.refuse_after -= 1
+        return super().put(key, data)
+
+
+def _tiered(store: TierStore | None = None, *tiers: _Host) -> tuple[PagedKV, TierStore]:
+    """A 16-block CPU pool with a tier manager over ``store`` (or a new store of ``tiers``)."""
+    kv = PagedKV(SPEC, 16, fingerprint=FP)
+    store = store or TierStore([Tier(t) for t in tiers], spec=SPEC, fingerprint=FP)
+    TierManager(kv, store, reload="always")  # attaches itself to kv
+    return kv, store
+
+
+def test_a_prefill_publishes_exactly_its_new_full_blocks_to_the_named_tier():
+    """``publish_to="far"``: a 20-token prompt's 2 full blocks land in the far tier (not the first tier), each one
+    decoding to the K/V the model wrote. A second prompt sharing those 16 tokens and adding 9 reuses them from the
+    device and publishes only its one new full block; the counts add up over both (3 published, 0 dropped)."""
+    kv, store = _tiered(None, _Host("host"), far := _Host("far"))
+    engine = Engine(_Writer(), kv, publish_to="far")
+    first, second = _prompt(20, 0), _prompt(16, 0) + _prompt(9, 3)
+    engine.submit(Request(first, 1))
+    engine.run(max_steps=5)
+    hashes = kv.prefix_cache.hashes(first[:16])
+    assert sorted(far.keys()) == sorted(h.hex() for h in hashes) and store.tiers[0].backend.keys() == []
+    for i, h in enumerate(hashes):
+        block, tier = store.get(h.hex())
+        assert tier == "far" and torch.equal(block, _expected_block(first, i))
+    assert engine.tier_counts == {"published_blocks": 2, "publish_dropped": 0}
+    r = engine.submit(Request(second, 1))
+    engine.run(max_steps=5)
+    assert r.stats.reused_tokens == 16
+    third = kv.prefix_cache.hashes(second[:24])[2].hex()
+    assert sorted(far.keys()) == sorted([*(h.hex() for h in hashes), third])
+    assert torch.equal(store.get(third)[0], _expected_block(second, 2))
+    assert engine.tier_counts == {"published_blocks": 3, "publish_dropped": 0}
+
+
+def test_blocks_the_tier_refuses_are_counted_as_dropped_not_published():
+    """A tier that takes one block and then refuses: the first 2-block prefill publishes 1 and drops 1, the next
+    one drops both; the counts are totals over every prefill."""
+    kv, _store = _tiered(None, full := _Host("host", refuse_after=1))
+    engine = Engine(_Writer(), kv, publish_to="host")
+    engine.submit(Request(_prompt(20, 0), 1))
+    engine.run(max_steps=5)
+    assert engine.tier_counts == {"published_blocks": 1, "publish_dropped": 1} and len(full.keys()) == 1
+    engine.submit(Request(_prompt(20, 1), 1))
+    engine.run(max_steps=5)
+    assert engine.tier_counts == {"published_blocks": 1, "publish_dropped": 3} and len(full.keys()) == 1
+
+
+def test_a_failing_tier_never_fails_a_request_and_every_failure_is_counted():
+    """A tier that raises on every read-ahead and every write: each admission counts two tier errors (its read-ahead
+    and its publish) and the requests still finish with every token."""
+    kv, _store = _tiered(None, _Host("host", bulk=True, fail=True))
+    engine = Engine(_Writer(), kv, publish_to="host")
+    reqs = [engine.submit(Request(_prompt(20, i), 2)) for i in range(2)]
+    engine.run(max_steps=10)
+    assert all(r.output == [7, 7] and not r.failed for r in reqs)
+    assert engine.tier_counts == {"tier_errors": 4}
+
+
+def test_nothing_is_published_without_publish_to_or_without_a_tier_manager():
+    """A tier manager but no ``publish_to``: the tier stays empty and nothing is counted. ``publish_to`` but no tier
+    manager: nothing to publish to, and still no error counted."""
+    kv, _store = _tiered(None, host := _Host("host"))
+    engine = Engine(_Writer(), kv)
+    engine.submit(Request(_prompt(20, 0), 1))
+    engine.run(max_steps=5)
+    assert host.keys() == [] and engine.tier_counts == {}
+    engine = Engine(_Writer(), PagedKV(SPEC, 16, fingerprint=FP), publish_to="host")
+    r = engine.submit(Request(_prompt(20, 0), 1))
+    engine.run(max_steps=5)
+    assert r.output == [7] and engine.tier_counts == {}
+
+
+def test_another_engine_reads_a_published_prefix_ahead_and_reloads_it():
+    """Engine A publishes a 24-token prompt's 3 full blocks to a bulk tier. Engine B (its own pool, the same tiers)
+    gets the first 17 tokens: it asks every bulk tier, once, for the 2 full blocks before the prompt's last token
+    (found in one tier, not the other), reloads them (16 tokens reused, block contents as computed) and computes
+    one token. The whole 24-token prompt then finds those blocks on B's device and block 2 holds the prompt's
+    last token, so no tier is asked again."""
+    tiers = [_Host("host"), near := _Host("near", bulk=True), far := _Host("far", bulk=True)]
+    kv_a, store = _tiered(None, *tiers)
+    prompt = _prompt(24, 0)
+    a = Engine(_Writer(), kv_a, publish_to="near")
+    a.submit(Request(prompt, 1))
+    a.run(max_steps=5)
+    assert a.tier_counts["published_blocks"] == 3 and len(near.keys()) == 3
+    keys = [h.hex() for h in kv_a.prefix_cache.hashes(prompt[:16])]
+    near.calls.clear()
+    far.calls.clear()
+    kv_b, _ = _tiered(store)
+    b = Engine(_Writer(), kv_b)
+    short = b.submit(Request(prompt[:17], 2))
+    b.run(max_steps=5)
+    assert near.calls == [keys] and far.calls == [keys]
+    assert b.tier_counts == {"read_ahead_found": 2, "read_ahead_blocks": 4}
+    assert (short.stats.reused_tokens, short.stats.computed_tokens) == (16, 1 + 1) and short.output == [7, 7]
+    for i, h in enumerate(kv_b.prefix_cache.hashes(prompt[:16])):
+        assert torch.equal(kv_b.pool.block(kv_b.allocator.block_with_hash(h)), _expected_block(prompt, i))
+    whole = b.submit(Request(prompt, 1))
+    b.run(max_steps=5)
+    assert near.calls == [keys] and far.calls == [keys] and whole.stats.reused_tokens == 16
