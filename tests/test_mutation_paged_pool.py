@@ -9,12 +9,16 @@ import torch
 from memos_ref.errors import (
     ArgumentTypeError,
     CapacityExceededError,
+    ConfigError,
     DeviceError,
     DTypeError,
     InvalidArgumentError,
+    LayerIndexError,
+    StateError,
 )
-from memos_ref.paged import BlockPool
+from memos_ref.paged import BlockPool, PagedKV, block_hashes
 from memos_ref.paged.allocator import MAX_BLOCKS
+from memos_ref.paged.step import StepBatch, rollback
 from memos_ref.spec import KVSpec
 
 T = 8
@@ -134,3 +138,107 @@ def test_poison_of_an_integer_pool_makes_exactly_that_block_minus_one():
     assert torch.equal(pool.block(1), torch.full(spec.block_shape, -1, dtype=torch.int8))
     assert torch.equal(pool.block(0), torch.full(spec.block_shape, 5, dtype=torch.int8))
     assert torch.equal(pool.block(2), torch.full(spec.block_shape, 6, dtype=torch.int8))
+
+
+# ---------------------------------------------------------------------------------------------- StepBatch
+FP = "model-m"
+
+
+def _kv(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K/V ``[B=2, H, n=T, D]`` of one step."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(2, 2, SPEC.num_kv_heads, T, SPEC.head_dim, generator=gen).unbind(0)
+    return k, v
+
+
+def test_resume_writes_each_lagging_layer_over_the_reserved_positions_and_registers_after_the_last():
+    """Positions reserved ahead of the layers (with their ids): a resumed batch per layer covers exactly the lagging
+    positions (starts, lens, the slots of the rows' tables), stores each row's K/V there, and once the last layer
+    catches up the rows' full blocks are registered under the hashes of their ids — not before. A layer asked for
+    more tokens than are reserved is a ConfigError saying so."""
+    kv = PagedKV(SPEC, 16, fingerprint=FP)
+    rows = [kv.new_sequence(), kv.new_sequence()]
+    ids = [list(range(100, 100 + T)), list(range(200, 200 + T))]
+    for seq, row_ids in zip(rows, ids):
+        seq.reserve_positions(T, row_ids)
+    for layer in range(SPEC.num_layers):
+        batch = StepBatch.resume(rows, layer, T)
+        assert batch.resumed is True and batch.starts == [0, 0] and batch.lens == [T, T] and batch.query_len == T
+        oracle_slots = [seq.block_table[0] * T + p for seq in rows for p in range(T)]
+        assert batch.slot_mapping.tolist() == oracle_slots
+        k, v = _kv(layer)
+        batch.write(layer, k, v)
+        for i, seq in enumerate(rows):
+            assert seq.layer_tokens[layer] == T
+            dk, dv = seq.to_dense(layer)
+            assert torch.equal(dk, k[i]) and torch.equal(dv, v[i])
+            registered = kv.allocator.hash_of(seq.block_table[0])
+            if layer < SPEC.num_layers - 1:
+                assert registered is None  # layer 1 has not written yet
+            else:
+                assert registered == block_hashes(ids[i], T, fingerprint=FP)[0]
+    msg = r"^layer 0 holds 8 tokens and gets 1, but 8 are reserved: layers must write the same tokens in order$"
+    with pytest.raises(ConfigError, match=msg):
+        StepBatch.resume(rows, 0, 1)
+
+
+def test_mark_written_by_kernel_counts_only_the_named_layers_and_registers_once_every_layer_is_counted():
+    """Counting layers written by a kernel: only the named layers advance; a layer counted twice, named twice, or out
+    of range is refused by name with nothing counted; once every layer is counted the rows' full blocks are
+    registered under their ids' hashes; and a fresh batch counted with no argument counts every layer."""
+    kv = PagedKV(SPEC, 16, fingerprint=FP)
+    seq = kv.new_sequence()
+    ids = list(range(300, 300 + 2 * T))
+    batch = StepBatch.reserve([seq], 2 * T)
+    seq.set_token_ids(ids)  # not caught up: recorded, not yet registered
+    batch.mark_written_by_kernel([1])
+    assert seq.layer_tokens == [0, 2 * T] and batch.written == [False, True] and not batch.complete
+    assert [kv.allocator.hash_of(b) for b in seq.block_table] == [None, None]
+    with pytest.raises(StateError, match=r"^layer 1 already wrote this step$"):
+        batch.mark_written_by_kernel()
+    with pytest.raises(StateError, match=r"^layers \[0, 0\]: a layer is written once per step$"):
+        batch.mark_written_by_kernel([0, 0])
+    with pytest.raises(LayerIndexError):
+        batch.mark_written_by_kernel([2])
+    assert seq.layer_tokens == [0, 2 * T] and batch.written == [False, True]  # all or none
+    batch.mark_written_by_kernel([0])
+    assert seq.layer_tokens == [2 * T, 2 * T] and batch.written == [True, True] and batch.complete
+    assert [kv.allocator.hash_of(b) for b in seq.block_table] == block_hashes(ids, T, fingerprint=FP)
+    other = kv.new_sequence()
+    step = StepBatch.reserve([other], 3)
+    step.mark_written_by_kernel()
+    assert other.layer_tokens == [3, 3] and step.complete
+
+
+def test_mark_written_by_kernel_refuses_a_row_changed_since_the_step_was_prepared():
+    """A row freed, or whose layer another batch already wrote, since this step was prepared: StateError naming the
+    sequence, and no layer is counted."""
+    kv = PagedKV(SPEC, 16, fingerprint=FP)
+    seq = kv.new_sequence()
+    batch = StepBatch.reserve([seq], 4)
+    other = StepBatch.resume([seq], 0, 4)  # another batch writes layer 0 first
+    other.mark_written_by_kernel([0])
+    with pytest.raises(StateError, match=rf"^sequence {seq.seq_id} changed since this step was prepared$"):
+        batch.mark_written_by_kernel([0])
+    assert batch.written == [False, False]
+    gone = kv.new_sequence()
+    batch2 = StepBatch.reserve([gone], 4)
+    gone.free()
+    with pytest.raises(StateError, match=rf"^sequence {gone.seq_id} changed since this step was prepared$"):
+        batch2.mark_written_by_kernel([0])
+    assert batch2.written == [False, False]
+
+
+def test_mark_written_by_kernel_of_no_layers_changes_nothing():
+    """Counting no layers (an empty list) on a resumed batch changes nothing: a caught-up row whose full block has
+    known but unregistered ids (ids recorded mid-step, the step rolled back) stays unregistered."""
+    kv = PagedKV(SPEC, 16, fingerprint=FP)
+    seq = kv.new_sequence()
+    StepBatch.reserve([seq], T).mark_written_by_kernel()  # 8 tokens of unknown ids
+    StepBatch.reserve([seq], T)
+    seq.set_token_ids(list(range(400, 400 + 2 * T)))  # not caught up: recorded only
+    rollback(seq, T)  # the step failed: back to 8 tokens, caught up
+    assert seq.caught_up and kv.allocator.hash_of(seq.block_table[0]) is None
+    batch = StepBatch.resume([seq], 0, 0)
+    batch.mark_written_by_kernel([])
+    assert kv.allocator.hash_of(seq.block_table[0]) is None and seq.layer_tokens == [T, T]
