@@ -3,6 +3,8 @@ what a user relies on, against an oracle kept beside the pool (a dense tensor, c
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -14,11 +16,13 @@ from memos_ref.errors import (
     DTypeError,
     InvalidArgumentError,
     LayerIndexError,
+    ShapeError,
     StateError,
 )
-from memos_ref.paged import BlockPool, PagedKV, block_hashes
+from memos_ref.paged import BlockAllocator, BlockPool, PagedKV, PrefixCache, block_hashes
 from memos_ref.paged.allocator import MAX_BLOCKS
 from memos_ref.paged.step import StepBatch, rollback
+from memos_ref.quant import FP8E4M3
 from memos_ref.spec import KVSpec
 
 T = 8
@@ -242,3 +246,165 @@ def test_mark_written_by_kernel_of_no_layers_changes_nothing():
     batch = StepBatch.resume([seq], 0, 0)
     batch.mark_written_by_kernel([])
     assert kv.allocator.hash_of(seq.block_table[0]) is None and seq.layer_tokens == [T, T]
+
+
+# ---------------------------------------------------------------------------------------------- prefix hashing
+def _chain(ids: list[int], extra: bytes, parent: bytes = b"") -> list[bytes]:
+    """The oracle: BLAKE2b-128 of parent ‖ extra ‖ int64 ids, block by block, written out with hashlib."""
+    out = []
+    for i in range(len(ids) // T):
+        packed = b"".join(x.to_bytes(8, "little", signed=True) for x in ids[i * T : (i + 1) * T])
+        parent = hashlib.blake2b(parent + extra + packed, digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+def test_block_hashes_default_to_no_fingerprint_and_continue_a_given_parent():
+    """block_hashes without a fingerprint hashes under the empty fingerprint (extra key ``"\\0"``), and a chain
+    continued from ``parent`` equals the whole chain's tail: the hashes a sequence stores after its first block."""
+    ids = [*range(50, 50 + 2 * T), 7]  # two full blocks and a partial one (no hash)
+    whole = block_hashes(ids, T)
+    assert whole == _chain(ids, b"\x00") and len(whole) == 2
+    assert block_hashes(ids, T) == block_hashes(ids, T, fingerprint="")
+    assert block_hashes(ids[T:], T, parent=whole[0]) == [whole[1]] == _chain(ids[T:], b"\x00", whole[0])
+    assert block_hashes(ids, T, fingerprint=FP, cache_salt="s") == _chain(ids, b"model-m\x00s")
+
+
+# ---------------------------------------------------------------------------------------------- PrefixCache
+def _cache(num_blocks: int = 6) -> tuple[BlockAllocator, PrefixCache]:
+    alloc = BlockAllocator(num_blocks)
+    return alloc, PrefixCache(alloc, T, fingerprint=FP)
+
+
+def test_register_indexes_a_full_block_and_a_lookup_finds_it_only_under_its_own_tokens():
+    """A registered full block is in the cache and is what a lookup of its tokens (plus one) returns; the same
+    hash on a second block is refused (False, that block stays private); a lookup of other tokens finds nothing;
+    a non-bytes hash or a partial block is refused by name; forget drops the block from the index."""
+    alloc, cache = _cache()
+    ids = list(range(10, 10 + T))
+    h = block_hashes(ids, T, fingerprint=FP)[0]
+    a, b = alloc.allocate(2)
+    assert a not in cache
+    assert cache.register(a, h, ids) is True
+    assert a in cache and b not in cache and alloc.hash_of(a) == h and alloc.tokens_of(a) == tuple(ids)
+    assert cache.register(b, h, ids) is False and b not in cache and alloc.hash_of(b) is None
+    assert cache.lookup([*ids, 1]) == [a]
+    alloc.free(a)  # the caller's reference from the lookup
+    assert cache.lookup([*range(20, 20 + T), 1]) == []
+    with pytest.raises(ArgumentTypeError, match=r"^block_hash: expected bytes, got str"):
+        cache.register(b, "h", ids)
+    msg = r"^only full blocks can be registered: got 7 tokens, block size is 8$"
+    with pytest.raises(ShapeError, match=msg):
+        cache.register(b, h, ids[:-1])
+    cache.forget(a)
+    assert a not in cache and alloc.hash_of(a) is None and cache.lookup([*ids, 1]) == []
+
+
+def test_a_block_id_past_the_pool_is_not_in_the_cache():
+    """``in`` answers False (never raises) for any id outside [0, num_blocks), a non-int, or an unindexed block."""
+    _, cache = _cache(4)
+    assert 4 not in cache and -1 not in cache and 1.0 not in cache and 0 not in cache
+
+
+def test_lookup_honours_the_salt_and_count_and_names_bad_token_ids():
+    """A block registered under a tenant's salt is found only with that salt; count=False keeps a lookup out of
+    the statistics; token ids that are not a sequence are refused naming ``token_ids``."""
+    alloc, cache = _cache()
+    ids = list(range(10, 10 + T))
+    (a,) = alloc.allocate(1)
+    assert cache.register(a, block_hashes(ids, T, fingerprint=FP, cache_salt="tenant")[0], ids)
+    assert cache.lookup([*ids, 1]) == []
+    assert cache.lookup([*ids, 1], cache_salt="tenant") == [a]
+    before = cache.stats()
+    assert before["prefix_queries"] == 2 and before["prefix_hit_tokens"] == T
+    assert cache.lookup([*ids, 1], "tenant", count=False) == [a]
+    assert cache.stats() == before
+    with pytest.raises(ArgumentTypeError, match=r"^token_ids: expected a sequence of int token ids, got str"):
+        cache.lookup("abc")
+
+
+# ---------------------------------------------------------------------------------------------- PagedKV.grow / stats
+def test_paged_kv_grow_checks_n_blocks_by_name_before_anything_changes():
+    """PagedKV.grow(1) adds one free block to pool and allocator together; a count below 1 or past MAX_BLOCKS is
+    an InvalidArgumentError naming ``n_blocks`` — before a pool that cannot grow is even asked — and a quantized
+    pool is refused naming its class; a pool grown behind the allocator's back is refused with both counts."""
+    kv = PagedKV(SPEC, 4, fingerprint=FP)
+    assert kv.grow(1) == range(4, 5) and kv.pool.num_blocks == 5 and kv.allocator.num_blocks == 5
+    assert kv.stats()["blocks_free"] == 5
+    with pytest.raises(InvalidArgumentError, match=r"^n_blocks: expected an integer in >= 1, got 0$"):
+        kv.grow(0)
+    with pytest.raises(InvalidArgumentError, match=rf"^n_blocks: expected at most {MAX_BLOCKS - 5} more blocks"):
+        kv.grow(MAX_BLOCKS)
+    kv.pool.grow(2)  # the pool alone
+    msg = r"^the pool holds 7 blocks but the allocator 5: grow them together with PagedKV.grow$"
+    with pytest.raises(ConfigError, match=msg):
+        kv.grow(1)
+    assert kv.pool.num_blocks == 7 and kv.allocator.num_blocks == 5
+    quant = PagedKV(SPEC, 4, quant=FP8E4M3(), prefix_caching=False)
+    with pytest.raises(InvalidArgumentError, match=r"^n_blocks: expected an integer in >= 1, got 0$"):
+        quant.grow(0)
+    name = type(quant.pool).__name__
+    with pytest.raises(ConfigError, match=rf"^{name} cannot grow: its per-block state is sized once"):
+        quant.grow(1)
+    assert quant.pool.num_blocks == 4 and quant.allocator.num_blocks == 4
+
+
+def test_stats_slot_utilization_is_the_tokens_held_over_the_slots_of_the_held_blocks():
+    """slot_utilization counts, per held block, the most tokens any holder keeps in it, over the held blocks'
+    slots: a 12-token sequence and a fork cut back to 10 (sharing both blocks) hold 8 + max(4, 2) = 12 of 16
+    slots; with no sequence it is 1.0. The block counts are the allocator's: 2 active, 6 free."""
+    kv = PagedKV(SPEC, 8, fingerprint=FP)
+    assert kv.stats()["slot_utilization"] == 1.0
+    a = kv.new_sequence()
+    a.advance(list(range(100, 112)))
+    b = a.fork()
+    b.truncate(10)
+    assert b.block_table == a.block_table  # both blocks shared
+    stats = kv.stats()
+    assert stats["slot_utilization"] == 12 / 16
+    assert stats["blocks_active"] == 2 and stats["blocks_free"] == 6 and stats["blocks_total"] == 8
+    b.free()
+    c = kv.new_sequence()
+    c.advance(list(range(7)))
+    assert kv.stats()["slot_utilization"] == (12 + 7) / 24
+
+
+def test_debug_mode_poisons_exactly_the_blocks_freed_and_keeps_cached_ones():
+    """With debug=True, freeing a sequence fills its private partial block (back on the free list) with NaN, while
+    its full block, kept cached for prefix reuse, keeps its K/V and serves the next prompt."""
+    kv = PagedKV(SPEC, 4, fingerprint=FP, debug=True)
+    seq = kv.new_sequence()
+    ids = list(range(500, 500 + T + 3))
+    gen = torch.Generator().manual_seed(5)
+    keys = []
+    for layer in range(SPEC.num_layers):
+        k, v = torch.randn(2, SPEC.num_kv_heads, len(ids), SPEC.head_dim, generator=gen).unbind(0)
+        seq.append(layer, k, v, ids)
+        keys.append(k)
+    full, tail = seq.block_table
+    seq.free()
+    assert torch.isnan(kv.pool.block(tail)).all()
+    assert not torch.isnan(kv.pool.block(full)).any()
+    again = kv.start_from_prefix([*ids[:T], 1])
+    assert again.block_table == [full]
+    dk, _ = again.to_dense(0)
+    assert torch.equal(dk, keys[0][:, :T])
+
+
+def test_stats_taken_while_a_sequence_grows_count_its_new_block_as_empty():
+    """A stats() call that lands while a sequence is reserving (its new block already in its table, its token count
+    not yet raised — a monitoring thread mid-step) counts that block as holding 0 tokens: 8 of 16 slots."""
+    kv = PagedKV(SPEC, 4, fingerprint=FP)
+    seq = kv.new_sequence()
+    seq.advance(list(range(T)))
+    seen: list[float] = []
+
+    class _Table(list):
+        def extend(self, blocks):
+            super().extend(blocks)
+            seen.append(kv.stats()["slot_utilization"])
+
+    seq.block_table = _Table(seq.block_table)
+    seq.reserve_positions(2, [1, 2])
+    assert seen == [T / (2 * T)]
+    assert kv.stats()["slot_utilization"] == (T + 2) / (2 * T)
