@@ -542,3 +542,144 @@ def test_a_new_free_list_is_linked_both_ways():
             rest = list(lists.free)
             assert rest == [b for b in range(n) if b != 1]
             assert [lists.prev[b] for b in rest] == [sentinel, *rest[:-1]]
+
+
+# ------------------------------------------- a sequence's parts: full mutmut run of paged (2026-12-02)
+# The oracle: slots computed by hand from the block table (block * T + offset), the token and layer counts the
+# test wrote, and the error each bad argument must raise, naming the argument and its range.
+
+
+def _written(n: int, seed: int = 21):
+    """A plain sequence holding n tokens in every layer (ids 100..), with its pool."""
+    kv, gen = PagedKV(SPEC, 32, fingerprint=FP), torch.Generator().manual_seed(seed)
+    seq = kv.new_sequence()
+    _append(seq, list(range(100, 100 + n)), gen)
+    return kv, seq
+
+
+def _by_hand(seq, start: int, stop: int) -> list[int]:
+    return [seq.block_table[p // T] * T + p % T for p in range(start, stop)]
+
+
+def test_slot_is_block_times_block_size_plus_offset_for_every_position_written():
+    """slot(p) is block_table[p // T] * T + p % T for each written position, the first and the last included."""
+    kv, seq = _written(21)
+    kv.allocator.allocate(3)  # later blocks have ids > 0, so a wrong product or sum shows
+    _append(seq, list(range(300, 310)), torch.Generator().manual_seed(1))
+    assert len(seq.block_table) == 4 and all(b > 0 for b in seq.block_table[1:])
+    assert [seq.slot(p) for p in range(31)] == _by_hand(seq, 0, 31)
+    assert all(type(seq.slot(p)) is int for p in (0, 9, 30))
+
+
+@pytest.mark.parametrize("position", [-1, 21])
+def test_slot_outside_the_written_positions_is_refused_naming_position_and_its_range(position):
+    _kv, seq = _written(21)
+    with pytest.raises(InvalidArgumentError, match=rf"^position: expected an integer in \[0, 20\], got {position}$"):
+        seq.slot(position)
+    with pytest.raises(ArgumentTypeError, match=r"^position: expected int, got float"):
+        seq.slot(1.0)
+
+
+@pytest.mark.parametrize("method", ["slot_mapping", "slot_list"])
+def test_slot_mapping_and_slot_list_give_block_times_t_plus_offset_for_every_position_asked(method):
+    """slot_mapping(start, stop) (a long tensor) and slot_list (a list) give block * T + offset for each position
+    in [start, stop): the whole sequence, a middle range, an empty range at either end."""
+    kv, seq = _written(21)
+    kv.allocator.allocate(2)
+    _append(seq, list(range(300, 315)), torch.Generator().manual_seed(2))
+    get = getattr(seq, method)
+    for start, stop in [(0, 36), (5, 27), (0, 0), (36, 36), (8, 16)]:
+        got = get(start, stop)
+        if method == "slot_mapping":
+            assert got.dtype == torch.long
+            got = got.tolist()
+        assert got == _by_hand(seq, start, stop)
+
+
+@pytest.mark.parametrize("method", ["slot_mapping", "slot_list"])
+@pytest.mark.parametrize(
+    ("start", "stop", "error", "message"),
+    [
+        (-1, 3, InvalidArgumentError, r"^start: expected an integer in \[0, 21\], got -1$"),
+        (22, 22, InvalidArgumentError, r"^start: expected an integer in \[0, 21\], got 22$"),
+        (3, 2, InvalidArgumentError, r"^stop: expected an integer in \[3, 21\], got 2$"),
+        (3, 22, InvalidArgumentError, r"^stop: expected an integer in \[3, 21\], got 22$"),
+        ("0", 2, ArgumentTypeError, r"^start: expected int, got str"),
+        (0, None, ArgumentTypeError, r"^stop: expected int, got NoneType"),
+    ],
+)
+def test_slot_mapping_and_slot_list_refuse_a_bad_range_naming_the_argument(method, start, stop, error, message):
+    """A range outside [0, num_tokens], or stop before start, is refused naming the argument and its bounds."""
+    _kv, seq = _written(21)
+    with pytest.raises(error, match=message):
+        getattr(seq, method)(start, stop)
+
+
+def _half_step(seq, ids, seed=3):
+    """Layer 0 writes len(ids) new tokens; layer 1 has not yet (a model step that stops part-way)."""
+    k = torch.randn(2, len(ids), 4, generator=torch.Generator().manual_seed(seed))
+    seq.append(0, k, k, list(ids))
+
+
+@pytest.mark.parametrize("n", [0, 5, 12])
+def test_rollback_step_after_a_failed_step_leaves_the_sequence_as_before_it(n):
+    """rollback_step(n) after a step that stopped part-way: every layer holds n tokens, the blocks reserved past
+    them go back to the allocator, and the sequence works on (n may be 0: everything goes)."""
+    kv, seq = _written(12)
+    free0 = kv.allocator.num_available
+    _half_step(seq, range(500, 510))
+    assert seq.num_tokens == 22 and seq.layer_tokens == [22, 12]
+    seq.rollback_step(n)
+    assert seq.num_tokens == n and seq.layer_tokens == [n, n] and seq.token_ids == list(range(100, 100 + n))
+    assert len(seq.block_table) == -(-n // T)
+    assert kv.allocator.num_available == free0 + 2 - len(seq.block_table)
+    kv.check()
+
+
+@pytest.mark.parametrize("n", [13, 22, -1])
+def test_rollback_step_cannot_keep_tokens_a_layer_did_not_write(n):
+    """rollback_step keeps at most what every layer holds (12 here, layer 1 not having run): a larger n is
+    refused naming n and that bound, and nothing changes."""
+    _kv, seq = _written(12)
+    _half_step(seq, range(500, 510))
+    table = list(seq.block_table)
+    with pytest.raises(InvalidArgumentError, match=rf"^n: expected an integer in \[0, 12\], got {n}$"):
+        seq.rollback_step(n)
+    assert seq.num_tokens == 22 and seq.layer_tokens == [22, 12] and seq.block_table == table
+
+
+def test_adopt_prefix_takes_block_ids_given_as_integer_tensors_from_the_first_to_the_last_block():
+    """Block ids as 0-d integer tensors (or numpy ints) are accepted like ints, block 0 and the pool's last block
+    included; the sequence then reads those blocks."""
+    kv = PagedKV(SPEC, 4, fingerprint=FP)
+    blocks = kv.allocator.allocate(4)
+    assert sorted(blocks) == [0, 1, 2, 3]
+    seq = kv.new_sequence()
+    seq.adopt_prefix([torch.tensor(0), torch.tensor(3)], list(range(16)))
+    assert seq.block_table == [0, 3] and seq.num_tokens == 16
+    assert [type(b) for b in seq.block_table] == [int, int]
+
+
+@pytest.mark.parametrize(
+    ("block", "error", "message"),
+    [
+        (-1, InvalidBlockError, r"^block id -1 is not in \[0, 4\)$"),
+        (-1000, InvalidBlockError, r"^block id -1000 is not in \[0, 4\)$"),
+        (4, InvalidBlockError, r"^block id 4 is not in \[0, 4\)$"),
+        (-(2**62) - 1, InvalidArgumentError, rf"^block: expected an integer in >= {-(2**62)}, got"),
+        (True, ArgumentTypeError, r"^block: expected int, got bool"),
+        ("1", ArgumentTypeError, r"^block: expected int, got str"),
+        (2, InvalidBlockError, r"^block 2 is free: adopt only blocks a prefix lookup returned \(they carry the"),
+    ],
+)
+def test_adopt_prefix_refuses_a_block_that_is_not_held_naming_it_and_changes_nothing(block, error, message):
+    """Only blocks a lookup handed over (allocated, in the pool) can be adopted; anything else is refused with
+    the reason, and the sequence stays empty."""
+    kv = PagedKV(SPEC, 4, fingerprint=FP)
+    held = kv.allocator.allocate(2)
+    assert sorted(held) == [0, 1]
+    seq = kv.new_sequence()
+    with pytest.raises(error, match=message):
+        seq.adopt_prefix([held[0], block], list(range(16)))
+    assert seq.num_tokens == 0 and seq.block_table == []
+    assert [kv.allocator.refcount[b] for b in range(4)] == [1, 1, 0, 0]
