@@ -17,6 +17,7 @@ from memos_ref.errors import (
     OutOfBlocksError,
     RefcountUnderflowError,
     ShapeError,
+    StagingFullError,
 )
 from memos_ref.paged import UNKNOWN_TOKEN, BlockAllocator, PagedKV, block_hashes
 from memos_ref.paged.allocator import ALLOCATED, CACHED, FREED, MAX_BLOCKS, REMOVED, STORED, BlockEvent
@@ -683,3 +684,346 @@ def test_adopt_prefix_refuses_a_block_that_is_not_held_naming_it_and_changes_not
         seq.adopt_prefix([held[0], block], list(range(16)))
     assert seq.num_tokens == 0 and seq.block_table == []
     assert [kv.allocator.refcount[b] for b in range(4)] == [1, 1, 0, 0]
+
+
+def _held_prefix(kv, ids, salt=None):
+    """Another live sequence holding ``ids`` (registered in the prefix index)."""
+    other = kv.new_sequence(cache_salt=salt)
+    other.advance(list(ids))
+    assert other.num_registered == len(ids) // T
+    return other
+
+
+@pytest.mark.parametrize("token", [3.0, True, "7", -2, 2**63])
+def test_append_token_refuses_a_bad_token_and_changes_nothing(token):
+    """append_token takes only a plain int id in [-1, 2**63); anything else is refused, whether the token would go
+    into the tail or start a block, and nothing is recorded."""
+    kv = PagedKV(SPEC, 8, fingerprint=FP)
+    seq = kv.new_sequence()
+    for n in (3, 8):  # inside the tail, then at a block boundary
+        seq.advance(list(range(n - seq.num_tokens)))
+        table, ids, free = list(seq.block_table), list(seq.token_ids), kv.allocator.num_available
+        with pytest.raises((ArgumentTypeError, InvalidArgumentError), match=r"^token_ids"):
+            seq.append_token(token)
+        with pytest.raises((ArgumentTypeError, InvalidArgumentError), match=r"^token_ids"):
+            seq.advance([token])
+        assert (seq.num_tokens, seq.token_ids, seq.block_table) == (n, ids, table)
+        assert seq.layer_tokens == [n, n] and kv.allocator.num_available == free
+
+
+def test_append_token_after_free_is_refused_and_takes_no_block():
+    from memos_ref.errors import UseAfterFreeError
+
+    kv = PagedKV(SPEC, 8, fingerprint=FP)
+    seq = kv.new_sequence()
+    seq.advance(list(range(8)))
+    seq.free()
+    for call in (lambda: seq.append_token(5), lambda: seq.advance([5])):
+        with pytest.raises(UseAfterFreeError):
+            call()
+        assert kv.allocator.num_available == 8 and seq.block_table == [] and seq.num_tokens == 0
+
+
+def test_append_token_and_advance_return_the_new_positions_and_register_each_filled_block():
+    """Decoding token by token (append_token, advance of one id, advance of two): each call returns exactly the
+    positions it added, a block is allocated every T tokens, and each filled block is registered under the hash
+    of the ids so far (salted hashes for a salted sequence), so another sequence with that salt reuses it."""
+    for salt in (None, "tenant-a"):
+        kv = PagedKV(SPEC, 16, fingerprint=FP)
+        seq = kv.new_sequence(cache_salt=salt)
+        ids = [1000 + i for i in range(27)]
+        done = 0
+        while done < len(ids):
+            if done % 3 == 0:
+                got = [seq.append_token(ids[done])]
+                step = 1
+            elif done % 3 == 1:
+                got = list(seq.advance([ids[done]]))
+                step = 1
+            else:
+                step = min(2, len(ids) - done)
+                got = list(seq.advance(ids[done : done + step]))
+            assert got == list(range(done, done + step))
+            done += step
+            assert seq.num_tokens == done and seq.layer_tokens == [done, done] and seq.token_ids == ids[:done]
+            assert len(seq.block_table) == -(-done // T)
+        want = block_hashes(ids, T, fingerprint=FP, cache_salt=salt)
+        assert _registered(kv, seq) == [*want, None]
+        again = kv.start_from_prefix([*ids[:24], 1], cache_salt=salt)
+        assert again.block_table == seq.block_table[:3]
+        other = kv.start_from_prefix([*ids[:24], 1], cache_salt="someone-else")
+        assert other.block_table == []
+        kv.check()
+
+
+@pytest.mark.parametrize("unknown_at", [0, 3, 7])
+def test_a_block_holding_an_unknown_id_and_every_block_after_it_are_never_indexed(unknown_at):
+    """An unknown id (-1) in a block keeps that block, and every block after it, out of the prefix index however
+    the tokens arrive (append_token one by one), so no KV is ever shared on an unknown token."""
+    kv = PagedKV(SPEC, 16, fingerprint=FP)
+    seq = kv.new_sequence()
+    ids = [2000 + i for i in range(8)] + [3000 + i for i in range(24)]
+    ids[8 + unknown_at] = UNKNOWN_TOKEN  # in block 1
+    for token in ids:
+        seq.append_token(token)
+    assert _registered(kv, seq) == [block_hashes(ids[:8], T, fingerprint=FP)[0], None, None, None]
+    assert seq.num_registered == 1
+    kv.check()
+
+
+def test_admit_on_a_sequence_that_holds_tokens_is_refused_and_changes_nothing():
+    from memos_ref.errors import StateError
+
+    kv = PagedKV(SPEC, 8, fingerprint=FP)
+    seq = kv.new_sequence()
+    seq.advance([1, 2, 3])
+    with pytest.raises(StateError, match=r"^admit\(\) starts an empty sequence; this one holds 3 tokens$"):
+        seq.admit([4, 5])
+    assert seq.token_ids == [1, 2, 3] and len(seq.block_table) == 1
+
+
+@pytest.mark.parametrize(
+    ("ids", "error", "message"),
+    [
+        ([1, 1.5], ArgumentTypeError, r"^token_ids\[1\]: expected int, got float"),
+        ([1, -2], InvalidArgumentError, r"^token_ids: token ids must lie in"),
+        ("ab", ArgumentTypeError, r"^token_ids: expected a sequence of int token ids"),
+    ],
+)
+def test_admit_and_set_token_ids_refuse_bad_ids_naming_token_ids(ids, error, message):
+    kv = PagedKV(SPEC, 8, fingerprint=FP)
+    seq = kv.new_sequence()
+    with pytest.raises(error, match=message):
+        seq.admit(ids)
+    assert seq.num_tokens == 0 and kv.allocator.num_available == 8
+    seq.advance([7, 7, 7])
+    with pytest.raises(error, match=message):
+        seq.set_token_ids(ids)
+    assert seq.token_ids == [7, 7, 7]
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_admit_reuses_exactly_the_longest_registered_prefix_and_computes_only_the_rest(salt):
+    """admit(prompt) reuses the held prefix blocks of the same salt (never another salt's), allocates only the
+    rest, and returns the positions it must compute."""
+    kv = PagedKV(SPEC, 16, fingerprint=FP)
+    prefix = list(range(500, 516))
+    _held_prefix(kv, prefix, "someone-else")
+    other = _held_prefix(kv, prefix, salt)
+    seq = kv.new_sequence(cache_salt=salt)
+    free = kv.allocator.num_available
+    assert list(seq.admit([*prefix, 1, 2, 3])) == [16, 17, 18]
+    assert seq.block_table[:2] == other.block_table and kv.allocator.num_available == free - 1
+    kv.check()
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_admit_fits_when_the_pool_has_exactly_the_blocks_past_the_reused_prefix(salt):
+    """A 17-token prompt whose first two blocks another sequence holds needs one new block: with exactly one free
+    block admit succeeds (the admission check counts the reusable prefix, salted as the sequence is)."""
+    kv = PagedKV(SPEC, 4, fingerprint=FP)
+    prefix = list(range(500, 516))
+    other = _held_prefix(kv, prefix, salt)
+    kv.allocator.allocate(1)
+    assert kv.allocator.num_available == 1
+    seq = kv.new_sequence(cache_salt=salt)
+    assert list(seq.admit([*prefix, 9])) == [16]
+    assert seq.block_table[:2] == other.block_table and kv.allocator.num_available == 0
+
+
+@pytest.mark.parametrize("n", [8, 16])
+def test_admit_refused_for_lack_of_blocks_takes_no_reference_and_counts_no_lookup(n):
+    """A prompt of n = k * T tokens whose blocks another sequence holds still needs its last block computed (one
+    token is always left): with no free block admit raises OutOfBlocksError(needed=1, available=0) before any
+    change — no reference taken on the held blocks, no lookup counted."""
+    kv = PagedKV(SPEC, 2, fingerprint=FP)
+    prefix = list(range(500, 500 + n))
+    other = _held_prefix(kv, prefix)
+    if n == 8:
+        kv.allocator.allocate(1)
+    assert kv.allocator.num_available == 0
+    stats = kv.prefix_cache.stats()
+    seq = kv.new_sequence()
+    with pytest.raises(OutOfBlocksError) as info:
+        seq.admit(prefix)
+    assert (info.value.needed, info.value.available) == (1, 0)
+    assert [kv.allocator.refcount[b] for b in other.block_table] == [1] * len(other.block_table)
+    assert kv.prefix_cache.stats() == stats and seq.block_table == [] and seq.num_tokens == 0
+
+
+def test_admit_and_set_token_ids_work_without_a_prefix_cache():
+    """A store with prefix caching off: admit allocates every block (no lookup), set_token_ids records ids."""
+    kv = PagedKV(SPEC, 8, prefix_caching=False)
+    assert kv.prefix_cache is None
+    seq = kv.new_sequence()
+    assert list(seq.admit(list(range(20)))) == list(range(20))
+    assert len(seq.block_table) == 3 and kv.allocator.num_available == 5
+    seq.set_token_ids([7] * 16)
+    assert seq.token_ids == [7] * 16 + list(range(16, 20))
+    kv.check()
+
+
+@pytest.mark.parametrize(
+    ("ids", "start", "error", "message"),
+    [
+        ([], 21, InvalidArgumentError, r"^start: expected an integer in \[0, 20\], got 21$"),
+        ([1], -1, InvalidArgumentError, r"^start: expected an integer in \[0, 20\], got -1$"),
+        ([1, 2, 3], 18, ShapeError, r"^3 ids from 18 exceed the 20 tokens held$"),
+        ([9] * 4, 12, InvalidArgumentError, r"^token_ids: positions 12\.\.15 lie in blocks already in the prefix"),
+        ([9] * 20, 0, InvalidArgumentError, r"^token_ids: positions 0\.\.15 lie in blocks already in the prefix"),
+    ],
+)
+def test_set_token_ids_refuses_a_bad_range_or_registered_positions_naming_them(ids, start, error, message):
+    """set_token_ids names the bad start, the ids that overrun, or exactly the registered positions it would
+    rewrite; nothing changes."""
+    kv = PagedKV(SPEC, 8, fingerprint=FP)
+    seq = kv.new_sequence()
+    seq.advance(list(range(20)))
+    with pytest.raises(error, match=message):
+        seq.set_token_ids(ids, start=start)
+    assert seq.token_ids == list(range(20))
+
+
+# a quantized pool with a full-precision residual window of one block (8 tokens) and a few staging blocks
+def _quant_kv(num_blocks=24, staging=4, residual=8, **kw):
+    from memos_ref.quant import FP8E4M3
+
+    return PagedKV(
+        SPEC, num_blocks, quant=FP8E4M3(), residual_tokens=residual, staging_blocks=staging, fingerprint=FP, **kw
+    )
+
+
+def _staged(kv, seq) -> list[bool]:
+    """Per block of the sequence: still at full precision in a staging slot (False: sealed)."""
+    return [int(kv.pool.staging_slot[b]) >= 0 for b in seq.block_table]
+
+
+def test_seal_idle_seals_every_full_block_no_other_sequence_holds_in_its_window():
+    """seal_idle on a quiet sequence seals its full blocks (window included), keeps the partial tail staged,
+    returns how many it sealed, and never seals a block a live fork still holds in its own window; a plain pool
+    or a sequence in the middle of a step seals nothing (0)."""
+    kv, gen = _quant_kv(), torch.Generator().manual_seed(31)
+    seq = kv.new_sequence()
+    _append(seq, list(range(20)), gen)
+    assert seq.window_start == 1 and _staged(kv, seq) == [False, True, True]
+    child = seq.fork()
+    assert seq.seal_idle() == 0 and _staged(kv, seq) == [False, True, True]  # the fork holds blocks 1 and 2
+    child.free()
+    assert seq.seal_idle() == 1 and _staged(kv, seq) == [False, False, True]
+    kv.check()  # the window's holds are back: the sequence still holds blocks 1..2
+    k = torch.randn(2, 4, 4, generator=gen)
+    seq.append(0, k, k, [20, 21, 22, 23])  # layer 1 has not written yet
+    assert seq.seal_idle() == 0 and _staged(kv, seq) == [False, False, True]
+    seq.append(1, k, k)
+    assert seq.seal_idle() == 1 and _staged(kv, seq) == [False, False, False]
+    kv.check()
+    plain = PagedKV(SPEC, 8).new_sequence()
+    plain.advance(list(range(20)))
+    assert plain.seal_idle() == 0
+
+
+def test_staging_needed_counts_new_blocks_plus_a_tail_to_copy_or_restage():
+    """staging_needed(n): one staging block per new block, plus one when a partly filled tail is shared (copied on
+    write) or sealed at a block boundary it is not; 0 for n = 0 and for a plain pool. Counted by hand."""
+    kv, gen = _quant_kv(), torch.Generator().manual_seed(32)
+    seq = kv.new_sequence()
+    _append(seq, [1, 2, 3], gen)
+    assert int(kv.pool.staging_slot[seq.block_table[-1]]) == 0  # a staged tail in slot 0 is not sealed
+    assert [seq.staging_needed(n) for n in (0, 1, 5, 6, 13, 14)] == [0, 0, 0, 1, 1, 2]
+    child = seq.fork()  # the tail is now shared: the next write copies it first
+    assert [seq.staging_needed(n) for n in (0, 1, 5, 6)] == [0, 1, 1, 2]
+    child.free()
+    _append(seq, list(range(4, 25)), gen)  # 24 tokens: at a block boundary
+    seq.seal_idle()
+    assert _staged(kv, seq) == [False, False, False]
+    assert [seq.staging_needed(n) for n in (0, 1, 8, 9)] == [0, 1, 1, 2]  # a full sealed tail is not re-staged
+    plain = PagedKV(SPEC, 8).new_sequence()
+    plain.advance([1, 2, 3])
+    assert [plain.staging_needed(n) for n in (0, 1, 6, 20)] == [0, 0, 0, 0]
+    with pytest.raises(InvalidArgumentError, match=r"^n: expected an integer in >= 0, got -1$"):
+        seq.staging_needed(-1)
+    with pytest.raises(ArgumentTypeError, match=r"^n: expected int, got float"):
+        plain.staging_needed(1.0)
+
+
+def test_a_write_past_the_free_staging_is_refused_naming_need_and_capacity_and_changes_nothing():
+    kv, gen = _quant_kv(staging=2), torch.Generator().manual_seed(33)
+    seq = kv.new_sequence()
+    table = list(seq.block_table)
+    with pytest.raises(StagingFullError) as info:
+        _append(seq, list(range(17)), gen)
+    assert (info.value.needed, info.value.capacity) == (3, 2)
+    assert str(info.value).startswith("3 blocks need full-precision staging but 2 of 2 staging blocks are free")
+    assert seq.block_table == table and seq.num_tokens == 0 and kv.pool.staging_available == 2
+    kv.check()
+
+
+def _cached_prefix(kv, ids, gen):
+    """Write ``ids`` in a sequence and free it: its full blocks stay cached (refcount 0) in the prefix index."""
+    seq = kv.new_sequence()
+    _append(seq, ids, gen)
+    table = list(seq.block_table)
+    seq.free()
+    return table
+
+
+def test_admit_over_a_windowed_pool_reuses_the_prefix_of_its_salt_and_refuses_what_does_not_fit():
+    """admit over a quantized pool with residual windows: the cached prefix of the same salt is reused (the rest
+    computed), a prompt the pool cannot hold is refused with OutOfBlocksError before anything changes (no lookup
+    counted), and a salted sequence never reuses another salt's prefix."""
+    kv, gen = _quant_kv(num_blocks=6), torch.Generator().manual_seed(34)
+    prefix = list(range(600, 616))
+    blocks = _cached_prefix(kv, [*prefix, 1], gen)
+    stats = kv.prefix_cache.stats()
+    big = kv.new_sequence()
+    with pytest.raises(OutOfBlocksError) as info:
+        big.admit([*prefix, *range(50)])  # 66 tokens: 9 blocks, 2 of them cached
+    assert (info.value.needed, info.value.available) == (7, 4)
+    assert kv.prefix_cache.stats() == stats and big.block_table == []
+    salted = kv.new_sequence(cache_salt="tenant-a")
+    assert list(salted.admit([*prefix, 2])) == list(range(17))
+    assert not set(salted.block_table) & set(blocks[:2])
+    salted.free()
+    seq = kv.new_sequence()
+    assert list(seq.admit([*prefix, 3])) == [16]
+    assert seq.block_table[:2] == blocks[:2]
+    kv.check()
+
+
+def test_admit_over_a_windowed_pool_that_runs_out_of_staging_leaves_an_empty_reusable_sequence():
+    """When the rest of the prompt cannot be staged, admit raises StagingFullError and the sequence is empty and
+    live again: no block held, hit statistics as before, the prefix still cached with its tail evicted before
+    it (blocks are given back last first), and the same sequence admits a prompt that fits."""
+    kv, gen = _quant_kv(num_blocks=12, staging=2), torch.Generator().manual_seed(35)
+    prefix = list(range(700, 716))
+    blocks = _cached_prefix(kv, prefix, gen)
+    stats = kv.prefix_cache.stats()
+    seq = kv.new_sequence()
+    with pytest.raises(StagingFullError):
+        seq.admit([*prefix, *range(40)])  # 56 tokens: 5 blocks past the prefix, 2 staging blocks
+    assert seq.block_table == [] and seq.token_ids == [] and seq.num_tokens == 0
+    assert seq.layer_tokens == [0, 0] and seq.window_start == 0 and seq.num_registered == 0
+    st = kv.prefix_cache.stats()
+    assert st["prefix_hit_tokens"] == stats["prefix_hit_tokens"]
+    assert [kv.allocator.refcount[b] for b in blocks[:2]] == [0, 0]
+    assert kv.allocator.num_available == 12
+    kv.check()
+    assert list(seq.admit([*prefix, 5, 6])) == [16, 17]
+    assert seq.block_table[:2] == blocks[:2] and seq.num_registered == 2
+    _append(seq, list(range(800, 814)), gen)  # fills block 2 and 3: registered after the adopted chain
+    assert _registered(kv, seq)[:4] == block_hashes([*prefix, 5, 6, *range(800, 814)], T, fingerprint=FP)
+    seq.free()
+    kv.check()
+
+
+def test_a_failed_windowed_admit_gives_its_blocks_back_last_first_so_the_prefix_outlives_its_tail():
+    """The blocks a failed admit adopted go back to the cache tail first: evicting all but one cached block keeps
+    the prefix's first block, the one a later prompt needs first."""
+    kv, gen = _quant_kv(num_blocks=6, staging=2), torch.Generator().manual_seed(36)
+    prefix = list(range(700, 716))
+    blocks = _cached_prefix(kv, prefix, gen)
+    seq = kv.new_sequence()
+    with pytest.raises(StagingFullError):
+        seq.admit([*prefix, *range(30)])
+    kv.allocator.allocate(kv.allocator.num_available - 1)  # evicts every cached block but the newest free
+    assert kv.allocator.hash_of(blocks[0]) is not None and kv.allocator.hash_of(blocks[1]) is None
