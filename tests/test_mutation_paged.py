@@ -947,14 +947,14 @@ def test_staging_needed_counts_new_blocks_plus_a_tail_to_copy_or_restage():
 
 
 def test_a_write_past_the_free_staging_is_refused_naming_need_and_capacity_and_changes_nothing():
-    kv, gen = _quant_kv(staging=2), torch.Generator().manual_seed(33)
+    kv, gen = _quant_kv(staging=3), torch.Generator().manual_seed(33)
     seq = kv.new_sequence()
     table = list(seq.block_table)
     with pytest.raises(StagingFullError) as info:
-        _append(seq, list(range(17)), gen)
-    assert (info.value.needed, info.value.capacity) == (3, 2)
-    assert str(info.value).startswith("3 blocks need full-precision staging but 2 of 2 staging blocks are free")
-    assert seq.block_table == table and seq.num_tokens == 0 and kv.pool.staging_available == 2
+        _append(seq, list(range(25)), gen)
+    assert (info.value.needed, info.value.capacity) == (4, 3)
+    assert str(info.value).startswith("4 blocks need full-precision staging but 3 of 3 staging blocks are free")
+    assert seq.block_table == table and seq.num_tokens == 0 and kv.pool.staging_available == 3
     kv.check()
 
 
