@@ -4,13 +4,14 @@ arithmetic done here from the block size and the prompt lengths."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
 import torch
 
 from memos_ref.engine import Engine, Request
-from memos_ref.errors import ConfigError, InvalidArgumentError, OutOfBlocksError, StagingFullError
+from memos_ref.errors import ConfigError, InvalidArgumentError, OutOfBlocksError, StagingFullError, StateError
 from memos_ref.paged import PagedKV
 from memos_ref.quant import PerTokenInt8
 from memos_ref.spec import KVSpec
@@ -474,15 +475,16 @@ def test_a_prefill_publishes_exactly_its_new_full_blocks_to_the_named_tier():
     hashes = kv.prefix_cache.hashes(first[:16])
     assert sorted(far.keys()) == sorted(h.hex() for h in hashes) and store.tiers[0].backend.keys() == []
     for i, h in enumerate(hashes):
-        block, tier = store.get(h.hex())
-        assert tier == "far" and torch.equal(block, _expected_block(first, i))
+        got = store.get(h.hex())  # None: no copy, or one that fails its checks (key, checksum, geometry)
+        assert got is not None and got[1] == "far" and torch.equal(got[0], _expected_block(first, i))
     assert engine.tier_counts == {"published_blocks": 2, "publish_dropped": 0}
     r = engine.submit(Request(second, 1))
     engine.run(max_steps=5)
     assert r.stats.reused_tokens == 16
     third = kv.prefix_cache.hashes(second[:24])[2].hex()
     assert sorted(far.keys()) == sorted([*(h.hex() for h in hashes), third])
-    assert torch.equal(store.get(third)[0], _expected_block(second, 2))
+    got = store.get(third)
+    assert got is not None and torch.equal(got[0], _expected_block(second, 2))
     assert engine.tier_counts == {"published_blocks": 3, "publish_dropped": 0}
 
 
@@ -552,3 +554,87 @@ def test_another_engine_reads_a_published_prefix_ahead_and_reloads_it():
     whole = b.submit(Request(prompt, 1))
     b.run(max_steps=5)
     assert near.calls == [keys] and far.calls == [keys] and whole.stats.reused_tokens == 16
+
+
+def test_a_model_that_skips_a_layer_fails_only_its_request_with_an_error_naming_the_sequence():
+    """A decode step that leaves one row's layer 1 unwritten: that request fails with a StateError naming its
+    sequence (its blocks are freed); the other row, decoded alone, finishes with every token."""
+    skipped = []
+
+    class _SkipsLayer(_Fake):
+        def __call__(self, input_ids, cache, *, position_ids):
+            rows = cache.sequences
+            if input_ids.shape[1] == 1 and any(s.num_tokens == 5 for s in rows):  # R1's first decode step
+                skipped.extend(s.seq_id for s in rows if s.num_tokens == 5)
+                cache.prepare_step(*input_ids.shape).mark_written_by_kernel([0])
+                return torch.zeros(*input_ids.shape, V)
+            return super().__call__(input_ids, cache, position_ids=position_ids)
+
+    kv = _kv(16)
+    engine = Engine(_SkipsLayer(), kv)
+    bad, good = engine.submit(Request(_prompt(5, 0), 3)), engine.submit(Request(_prompt(9, 1), 3))
+    engine.run(max_steps=10)
+    assert isinstance(bad.error, StateError) and bad.output == [7] and engine.failures == 1
+    assert str(bad.error) == f"sequence {skipped[-1]} was not written in every layer by the decode step"
+    assert good.output == [7, 7, 7] and not good.failed and kv.allocator.num_active == 0
+
+
+def test_each_decode_latency_is_the_wall_time_of_its_step():
+    """``stats.token_latencies_s`` holds one entry per decoded token (the first token comes from the prefill), each
+    between 0 and the time the whole run took."""
+    engine = Engine(_Fake(), _kv(16))
+    r = engine.submit(Request([1, 2, 3], 4))
+    started = time.perf_counter()
+    engine.run(max_steps=10)
+    wall = time.perf_counter() - started
+    assert len(r.stats.token_latencies_s) == 3 and all(0 <= x <= wall for x in r.stats.token_latencies_s)
+
+
+def test_an_interrupt_while_retiring_a_finished_request_does_not_decode_it_again():
+    """R1 gets its last token in a step and an interrupt lands while its blocks are being released. The interrupt
+    goes through; R1 (finished, with all its tokens) is no longer among the running rows, R2 is, and the run that
+    follows gives R2 its tokens without decoding R1 again."""
+    kv = _kv(16)
+    engine = Engine(_Fake(), kv)
+    r1, r2 = engine.submit(Request(_prompt(5, 0), 3)), engine.submit(Request(_prompt(5, 1), 4))
+    engine.step()  # both admitted (one token each), then one decode step: two tokens each
+    seq1 = next(seq for r, seq in engine.running if r is r1)
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    seq1.free = interrupted  # the interrupt lands as R1, finished by the next step, releases its blocks
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    del seq1.free
+    assert r1.finished and r1.output == [7, 7, 7]
+    assert [r for r, _ in engine.running] == [r2]
+    seq1.free()
+    engine.run(max_steps=10)
+    assert r1.output == [7, 7, 7] and r2.output == [7, 7, 7, 7] and not r2.failed
+    assert kv.allocator.num_active == 0
+
+
+def test_run_allows_100_000_steps_by_default():
+    """``run()`` without ``max_steps`` allows 100 000 steps: a request that keeps running for exactly that many
+    steps is returned, one that needs a step more raises ConfigError naming the limit. (The engine's step is
+    replaced by a counter: only run's loop is under test.)"""
+    for needed in (100_000, 100_001):
+        engine = Engine(_Fake(), _kv(4))
+        r = engine.submit(Request([1, 2, 3], 1))
+        steps = itertools.count(1)
+
+        def step(engine=engine, r=r, needed=needed, steps=steps):
+            n = next(steps)
+            if n == 1:
+                engine.running.append((engine.waiting.popleft(), None))
+            if n == needed:
+                engine.running.clear()
+                engine.finished.append(r)
+
+        engine.step = step
+        if needed == 100_000:
+            assert engine.run() == [r]
+        else:
+            with pytest.raises(ConfigError, match="after 100000 steps"):
+                engine.run()
