@@ -4,6 +4,7 @@ what a user relies on, against an oracle kept beside the pool (a dense tensor, c
 from __future__ import annotations
 
 import hashlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,12 +16,14 @@ from memos_ref.errors import (
     DeviceError,
     DTypeError,
     InvalidArgumentError,
+    InvariantError,
     LayerIndexError,
     ShapeError,
     StateError,
 )
 from memos_ref.paged import BlockAllocator, BlockPool, PagedKV, PrefixCache, block_hashes
-from memos_ref.paged.allocator import MAX_BLOCKS
+from memos_ref.paged.allocator import MAX_BLOCKS, BlockState
+from memos_ref.paged.check import check_invariants
 from memos_ref.paged.step import StepBatch, rollback
 from memos_ref.quant import FP8E4M3
 from memos_ref.spec import KVSpec
@@ -408,3 +411,210 @@ def test_stats_taken_while_a_sequence_grows_count_its_new_block_as_empty():
     seq.reserve_positions(2, [1, 2])
     assert seen == [T / (2 * T)]
     assert kv.stats()["slot_utilization"] == (T + 2) / (2 * T)
+
+
+# ---------------------------------------------------------------------------------------------- check_invariants
+def _holder(seq_id: int, table: list[int], num_tokens: int, token_ids: list[int] | None = None) -> SimpleNamespace:
+    """A stand-in sequence: what check_invariants reads of one (no quantized pool, no window)."""
+    ids = token_ids if token_ids is not None else [-1] * num_tokens
+    return SimpleNamespace(
+        seq_id=seq_id, block_table=table, num_tokens=num_tokens, block_size=T, pool=None, window_start=0, token_ids=ids
+    )
+
+
+def _broken(alloc: BlockAllocator, holders: list, cache: PrefixCache | None = None) -> InvariantError:
+    with pytest.raises(InvariantError) as info:
+        check_invariants(alloc, holders, cache)
+    return info.value
+
+
+def test_check_invariants_passes_a_consistent_state_with_forks_and_cached_blocks():
+    """A live PagedKV — a sequence, a fork sharing its partial tail (refcount 2), a freed sequence whose full block
+    stays cached, and a sequence that reuses it — passes check_invariants with its prefix cache."""
+    kv = PagedKV(SPEC, 8, fingerprint=FP)
+    a = kv.new_sequence()
+    a.advance(list(range(100, 112)))
+    b = a.fork()
+    gone = kv.new_sequence()
+    gone.advance(list(range(300, 300 + T + 1)))
+    gone.free()
+    again = kv.start_from_prefix([*range(300, 300 + T), 5])
+    assert kv.allocator.refcount[a.block_table[1]] == 2 and again.block_table
+    check_invariants(kv.allocator, [a, b, again], kv.prefix_cache)
+    kv.check()
+
+
+def test_check_invariants_names_a_block_listed_twice_and_a_refcount_that_is_not_the_holders():
+    """A table listing a block twice, and a block whose refcount is not its number of holders, are each an
+    InvariantError naming those blocks (message and .blocks)."""
+    alloc = BlockAllocator(4)
+    b0, b1 = alloc.allocate(2)
+    err = _broken(alloc, [_holder(7, [b0, b0], 16)])
+    assert str(err) == f"sequence 7 lists blocks [{b0}] more than once" and err.blocks == [b0]
+    err = _broken(alloc, [_holder(7, [b0], 8)])
+    assert str(err) == f"refcount != number of holders for blocks [{b1}] ({b1}: refcount 1 vs 0 holders)"
+    assert err.blocks == [b1]
+    alloc.incref(b0)
+    err = _broken(alloc, [_holder(7, [b0, b1], 16)])
+    assert str(err) == f"refcount != number of holders for blocks [{b0}] ({b0}: refcount 2 vs 1 holders)"
+
+
+def test_check_invariants_names_held_blocks_that_are_not_active_and_lists_out_of_step_with_states():
+    """A held block marked cached, a free-list block marked active, a cached-list block marked active, a block in no
+    known state, and a cached block without a prefix: each is an InvariantError saying which."""
+    alloc = BlockAllocator(4)
+    (b0,) = alloc.allocate(1)
+    alloc.state[b0] = BlockState.CACHED
+    err = _broken(alloc, [_holder(1, [b0], 3)])
+    assert str(err) == f"blocks [{b0}] are held by a sequence but are free or cached" and err.blocks == [b0]
+    alloc.state[b0] = BlockState.ACTIVE
+    check_invariants(alloc, [_holder(1, [b0], 3)])
+    free = alloc.free_blocks()
+    alloc.state[free[0]] = BlockState.ACTIVE
+    err = _broken(alloc, [_holder(1, [b0], 3)])
+    assert str(err) == "the free list does not hold exactly the free blocks" and err.blocks == [free[0]]
+    alloc.state[free[0]] = BlockState.FREE
+
+    alloc2 = BlockAllocator(4)
+    (c,) = alloc2.allocate(1)
+    assert alloc2.cache_block(c, b"h" * 16, list(range(T)))
+    alloc2.free(c)  # cached, refcount 0
+    check_invariants(alloc2, [])
+    alloc2.state[c] = BlockState.ACTIVE
+    assert str(_broken(alloc2, [])) == "the cached list does not hold exactly the cached blocks"
+    alloc2.state[c] = BlockState.CACHED
+    alloc2.cacheable[c] = 0
+    err = _broken(alloc2, [])
+    assert str(err) == f"cached blocks [{c}] have holders or no prefix" and err.blocks == [c]
+
+    alloc3 = BlockAllocator(4)
+    (d,) = alloc3.allocate(1)
+    alloc3.refcount[d] = 0
+    alloc3.state[d] = 9  # in no state: not on the free list, not active, not cached
+    assert str(_broken(alloc3, [])) == "free + active + cached != total"
+
+
+def test_check_invariants_names_an_indexed_block_not_cacheable_and_a_holder_with_other_token_ids():
+    """A held block in the prefix index but not marked cacheable, and a holder whose token ids differ from those
+    the index verified for its block, are InvariantErrors naming the block; a holder with unknown ids or a partial
+    block is not compared."""
+    alloc = BlockAllocator(4)
+    cache = PrefixCache(alloc, T, fingerprint=FP)
+    (b,) = alloc.allocate(1)
+    ids = list(range(40, 40 + T))
+    assert cache.register(b, block_hashes(ids, T, fingerprint=FP)[0], ids)
+    check_invariants(alloc, [_holder(2, [b], T, ids)], cache)
+    check_invariants(alloc, [_holder(2, [b], T, [-1] * T)], cache)  # unknown ids: not compared
+    check_invariants(alloc, [_holder(2, [b], T - 1, ids[:-1])], cache)  # a partial block: not compared
+    err = _broken(alloc, [_holder(2, [b], T, [*ids[:-1], 99])], cache)
+    assert str(err) == f"sequence 2 holds prefix-cached block {b} with other token ids" and err.blocks == [b]
+    check_invariants(alloc, [_holder(2, [b], T, [*ids[:-1], 99])])  # without the cache: not compared
+    alloc.cacheable[b] = 0
+    err = _broken(alloc, [_holder(2, [b], T, ids)])
+    assert str(err) == f"indexed blocks [{b}] are not marked cacheable" and err.blocks == [b]
+
+
+def test_check_invariants_lists_at_most_eight_blocks_with_each_ones_counts():
+    """Ten blocks whose refcount is not their holders: the message names the first eight, each with its refcount
+    and holders, and .blocks carries all ten."""
+    alloc = BlockAllocator(10)
+    alloc.allocate(10)
+    err = _broken(alloc, [])
+    detail = ", ".join(f"{b}: refcount 1 vs 0 holders" for b in range(8))
+    assert str(err) == f"refcount != number of holders for blocks {list(range(8))} ({detail})"
+    assert err.blocks == list(range(10))
+
+
+def test_check_invariants_compares_every_full_block_of_a_holder_with_the_indexed_ids():
+    """A holder of two indexed blocks whose first block's ids differ from the indexed ones is caught (not only the
+    last block)."""
+    alloc = BlockAllocator(4)
+    cache = PrefixCache(alloc, T, fingerprint=FP)
+    ids = list(range(60, 60 + 2 * T))
+    blocks = alloc.allocate(2)
+    for block, h, i in zip(blocks, block_hashes(ids, T, fingerprint=FP), range(2)):
+        assert cache.register(block, h, ids[i * T : (i + 1) * T])
+    check_invariants(alloc, [_holder(3, blocks, 2 * T, ids)], cache)
+    err = _broken(alloc, [_holder(3, blocks, 2 * T, [99, *ids[1:]])], cache)
+    assert str(err) == f"sequence 3 holds prefix-cached block {blocks[0]} with other token ids"
+
+
+def test_check_invariants_names_indexed_free_blocks_and_an_index_out_of_step_with_its_hashes():
+    """A block on the free list that is still indexed, a block indexed under a hash that names another block, and
+    an index whose count differs from its blocks' hashes: each an InvariantError naming the blocks."""
+    alloc = BlockAllocator(4)
+    f = alloc.free_blocks()[0]
+    alloc.state[f] = BlockState.ACTIVE  # so the allocator takes it into the index, then back to free
+    assert alloc.cache_block(f, b"s" * 16, list(range(T)))
+    alloc.state[f] = BlockState.FREE
+    err = _broken(alloc, [])
+    assert str(err) == f"prefix-cached blocks [{f}] are on the free list" and err.blocks == [f]
+
+    alloc2 = BlockAllocator(4)
+    b1, b2 = alloc2.allocate(2)
+    h = b"a" * 16
+    assert alloc2.cache_block(b1, h, list(range(T)))
+    holders = [_holder(1, [b1], T), _holder(2, [b2], T)]
+    check_invariants(alloc2, holders)
+    alloc2.hash_by_block[b2] = h  # b2 claims b1's hash
+    alloc2.cacheable[b2] = 1
+    err = _broken(alloc2, holders)
+    assert str(err) == f"the hash index and the blocks' hashes disagree for blocks [{b2}]" and err.blocks == [b2]
+    del alloc2.hash_by_block[b2]
+    del alloc2.hash_by_block[b1]  # the index still counts b1's hash, no block names it
+    err = _broken(alloc2, holders)
+    assert str(err) == "the hash index and the blocks' hashes disagree for blocks []" and err.blocks == []
+
+
+def test_check_invariants_checks_residual_window_holds_and_staging_slots_of_a_quantized_pool():
+    """Over a quantized pool with residual windows: a consistent state passes; window holds that differ from the
+    sequences' windows name the blocks (first eight, each 'holds vs want'); a free block keeping a staging slot
+    (slot 0 included) is named too."""
+    kv = PagedKV(SPEC, 12, quant=FP8E4M3(), residual_tokens=32, staging_blocks=4, prefix_caching=False)
+    seq = kv.new_sequence()
+    for layer in range(SPEC.num_layers):
+        seq.append(layer, torch.ones(SPEC.num_kv_heads, 2 * T + 3, SPEC.head_dim), torch.ones(2, 2 * T + 3, 4))
+    pool, alloc = kv.pool, kv.allocator
+    held = seq.block_table
+    assert len(held) == 3 and all(int(pool.window_holds[b]) == 1 for b in held)
+    check_invariants(alloc, [seq])
+    kv.check()
+    free = alloc.free_blocks()
+    assert len(free) == 9
+    saved = pool.window_holds.clone()
+    pool.window_holds[held[0]] = 2
+    pool.window_holds[free[0]] = 1
+    bad = sorted([held[0], free[0]])
+    detail = ", ".join(f"{b}: {2 if b == held[0] else 1} vs {1 if b == held[0] else 0}" for b in bad)
+    err = _broken(alloc, [seq])
+    assert str(err) == f"window holds disagree with the sequences' windows for blocks {bad} ({detail})"
+    assert err.blocks == bad
+    pool.window_holds.copy_(saved)
+    pool.window_holds[free] = 1
+    err = _broken(alloc, [seq])
+    assert str(err).startswith(f"window holds disagree with the sequences' windows for blocks {sorted(free)[:8]} (")
+    assert len(err.blocks) == 9 and str(err).count(" vs ") == 8
+    pool.window_holds.copy_(saved)
+    check_invariants(alloc, [seq])
+    saved = pool.staging_slot.clone()
+    pool.staging_slot[free[0]] = 0
+    err = _broken(alloc, [seq])
+    assert str(err) == f"free blocks [{free[0]}] still hold staging slots" and err.blocks == [free[0]]
+    pool.staging_slot[free] = 0
+    err = _broken(alloc, [seq])
+    assert str(err) == f"free blocks {sorted(free)[:8]} still hold staging slots" and len(err.blocks) == 9
+    pool.staging_slot.copy_(saved)
+    check_invariants(alloc, [seq])
+
+
+def test_check_invariants_checks_the_windows_of_every_quantized_pool_among_the_sequences():
+    """Sequences over two windowed pools: the window holds of each pool are checked, not only the last one seen."""
+    kvs = [PagedKV(SPEC, 6, quant=FP8E4M3(), residual_tokens=32, staging_blocks=2, prefix_caching=False) for _ in "ab"]
+    first = kvs[0].new_sequence()
+    for layer in range(SPEC.num_layers):
+        first.append(layer, torch.ones(SPEC.num_kv_heads, 3, SPEC.head_dim), torch.ones(2, 3, 4))
+    empty = kvs[1].new_sequence()  # holds no block of the shared allocator
+    check_invariants(kvs[0].allocator, [first, empty])
+    kvs[0].pool.window_holds[5] = 1
+    err = _broken(kvs[0].allocator, [first, empty])
+    assert err.blocks == [5]
