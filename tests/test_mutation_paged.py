@@ -1047,3 +1047,26 @@ def test_a_one_token_advance_mid_step_registers_the_blocks_whose_ids_were_set_as
     getattr(seq, how)(*([[5]] if how == "advance" else [5]))
     assert seq.layer_tokens == [21, 21]
     assert _registered(kv, seq) == [*block_hashes(ids, T, fingerprint=FP), None]
+
+
+def test_truncate_mid_step_is_refused_and_changes_nothing():
+    _kv, seq = _written(12)
+    _half_step(seq, range(500, 510))
+    table = list(seq.block_table)
+    with pytest.raises(ConfigError, match=r"^cannot truncate in the middle of a model step$"):
+        seq.truncate(4)
+    assert seq.num_tokens == 22 and seq.layer_tokens == [22, 12] and seq.block_table == table
+
+
+def test_truncate_over_a_windowed_pool_takes_back_the_kept_blocks_the_shorter_window_covers():
+    """Truncating a sequence moves its residual window back: kept blocks that fall inside it again are held by the
+    sequence again (the pool's window holds agree with every sequence's window: check() passes)."""
+    kv, gen = _quant_kv(staging=8, residual=16), torch.Generator().manual_seed(37)
+    seq = kv.new_sequence()
+    _append(seq, list(range(40)), gen)
+    assert seq.window_start == 3
+    assert [int(kv.pool.window_holds[b]) for b in seq.block_table] == [0, 0, 0, 1, 1]
+    seq.truncate(20)
+    assert seq.window_start == 0 and len(seq.block_table) == 3
+    assert [int(kv.pool.window_holds[b]) for b in seq.block_table] == [1, 1, 1]
+    kv.check()
