@@ -4,6 +4,7 @@ what a user relies on, against an oracle kept beside the pool (a dense tensor, c
 from __future__ import annotations
 
 import hashlib
+from array import array
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +25,7 @@ from memos_ref.errors import (
 from memos_ref.paged import BlockAllocator, BlockPool, PagedKV, PrefixCache, block_hashes
 from memos_ref.paged.allocator import MAX_BLOCKS, BlockState
 from memos_ref.paged.check import check_invariants
+from memos_ref.paged.prefix import pack_token_ids
 from memos_ref.paged.step import StepBatch, rollback
 from memos_ref.quant import FP8E4M3
 from memos_ref.spec import KVSpec
@@ -618,3 +620,75 @@ def test_check_invariants_checks_the_windows_of_every_quantized_pool_among_the_s
     kvs[0].pool.window_holds[5] = 1
     err = _broken(kvs[0].allocator, [first, empty])
     assert err.blocks == [5]
+
+
+# ---------------------------------------------------------------------------------------------- long writes, token ids
+def test_a_long_write_checks_its_slots_and_stores_all_but_the_skipped_ones():
+    """A write of more than DIRECT_WRITE_TOKENS tokens (one indexed store): slot -1 skips its token and the others
+    land at block·T + offset; a float or misshapen slot tensor, or any slot below -1 or at/after the pool's end, is
+    refused naming the first four bad slots, with nothing written."""
+    pool = BlockPool(SPEC, 10)
+    n = BlockPool.DIRECT_WRITE_TOKENS + 6  # 70
+    gen = torch.Generator().manual_seed(3)
+    key, value = torch.randn(2, n, SPEC.num_kv_heads, SPEC.head_dim, generator=gen).unbind(0)
+    slots = torch.arange(n)
+    slots[5] = -1
+    pool.write(1, slots, key, value)
+    for p in range(n):
+        got = pool.block(p // T)[1, 0, :, p % T]  # layer 1's K of that slot, [H, D]
+        assert torch.equal(got, torch.zeros_like(got) if p == 5 else key[p])
+    limit = 10 * T
+    bad = torch.zeros(n, dtype=torch.long)
+    bad[1:8] = torch.tensor([-1, -2, limit, limit + 1, limit + 2, limit + 3, 0])
+    msg = rf"^slots: expected -1 \(skip\) or a slot in \[0, {limit}\), got \[-2, {limit}, {limit + 1}, {limit + 2}\]$"
+    with pytest.raises(InvalidArgumentError, match=msg):
+        pool.write(0, bad, key, value)
+    past = torch.arange(n)
+    past[9] = limit  # one slot just past the end, all others valid
+    with pytest.raises(InvalidArgumentError, match=rf"got \[{limit}\]$"):
+        pool.write(0, past, key, value)
+    with pytest.raises(ArgumentTypeError, match=r"^slots: expected an integer tensor, got dtype torch.float32$"):
+        pool.write(0, slots.float(), key, value)
+    with pytest.raises(ShapeError, match=rf"^slots must be \[{n}\], got \({n - 1},\)$"):
+        pool.write(0, slots[1:], key, value)
+    assert torch.count_nonzero(pool.layer_view(0)) == 0
+
+
+def test_pack_token_ids_of_a_long_prompt_packs_int64_and_names_a_bad_id():
+    """pack_token_ids: a long list (vectorised minimum) with unknown ids (-1) is packed as int64 unchanged; a long
+    list holding -2 is refused naming the argument and the id; a tensor of ids (the general path) packs the same
+    bytes, -1 included."""
+    ids = [*range(600), -1]
+    out, packed = pack_token_ids("prompt", ids)
+    assert out == ids and packed == array("q", ids).tobytes()
+    with pytest.raises(InvalidArgumentError, match=r"^prompt: token ids must lie in \[0, 2\*\*63\) .*got -2$"):
+        pack_token_ids("prompt", [*range(600), -2])
+    with pytest.raises(InvalidArgumentError, match=r"^prompt: token ids must lie in \[0, 2\*\*63\) .*got -2$"):
+        pack_token_ids("prompt", [5, -2])
+    out, packed = pack_token_ids("prompt", torch.tensor([-1, 5, 7]))
+    assert out == [-1, 5, 7] and packed == array("q", [-1, 5, 7]).tobytes()
+
+
+def test_prefix_cache_stats_report_queries_tokens_hits_rate_and_cached_blocks():
+    """PrefixCache.stats: exactly these keys; before any query the hit rate is 0.0; after a hit of one block in a
+    9-token query and a miss of 5 tokens, 8 hit tokens of 14 queried."""
+    alloc, cache = _cache()
+    assert cache.stats() == {
+        "prefix_queries": 0,
+        "prefix_query_tokens": 0,
+        "prefix_hit_tokens": 0,
+        "prefix_hit_rate": 0.0,
+        "prefix_cached_blocks": 0,
+    }
+    ids = list(range(10, 10 + T))
+    (a,) = alloc.allocate(1)
+    cache.register(a, block_hashes(ids, T, fingerprint=FP)[0], ids)
+    assert cache.lookup([*ids, 1]) == [a]
+    assert cache.lookup([1, 2, 3, 4, 5]) == []
+    assert cache.stats() == {
+        "prefix_queries": 2,
+        "prefix_query_tokens": 14,
+        "prefix_hit_tokens": T,
+        "prefix_hit_rate": T / 14,
+        "prefix_cached_blocks": 1,
+    }
