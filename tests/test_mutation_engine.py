@@ -638,3 +638,43 @@ def test_run_allows_100_000_steps_by_default():
         else:
             with pytest.raises(ConfigError, match="after 100000 steps"):
                 engine.run()
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_each_engine_step_enforces_the_tier_watermarks_unless_the_managers_thread_does(threaded):
+    """A finished 20-token request leaves 2 cached blocks: 2/16 is over the high watermark 0.1, so the next engine
+    step moves both to the tier. When the manager's own thread drives it (started here with an hour's interval),
+    the engine step leaves them on the device."""
+    kv = PagedKV(SPEC, 16, fingerprint=FP)
+    store = TierStore([Tier(host := _Host("host"))], spec=SPEC, fingerprint=FP)
+    tm = TierManager(kv, store, high_watermark=0.1, low_watermark=0.05, min_residency_s=0)
+    engine = Engine(_Writer(), kv)
+    engine.submit(Request(_prompt(20, 0), 1))
+    engine.run(max_steps=5)
+    assert kv.allocator.num_cached == 2 and host.keys() == []
+    if threaded:
+        tm.start(interval_s=3600.0)
+    try:
+        engine.step()
+    finally:
+        tm.stop()
+    assert (kv.allocator.num_cached, len(host.keys())) == ((2, 0) if threaded else (0, 2))
+
+
+def test_a_pool_without_prefix_caching_reads_nothing_ahead_even_with_bulk_tiers():
+    """A tier hook (the paged layer's ``TierHook`` protocol, here not a TierManager) whose store has a bulk tier, on a
+    pool without prefix caching: there are no block hashes to ask for, so the tier is never asked and no tier
+    error is counted; the request runs as without tiers."""
+
+    class _Hook:
+        driven_by_thread = True  # so the engine does not step it
+
+        def __init__(self, store: TierStore) -> None:
+            self.store = store
+
+    kv = PagedKV(SPEC, 16, prefix_caching=False)
+    kv.tier_manager = _Hook(TierStore([Tier(bulk := _Host("bulk", bulk=True))], spec=SPEC, fingerprint=FP))
+    engine = Engine(_Writer(), kv)
+    r = engine.submit(Request(_prompt(20, 0), 2))
+    engine.run(max_steps=5)
+    assert r.output == [7, 7] and bulk.calls == [] and engine.tier_counts == {}
