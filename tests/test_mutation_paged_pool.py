@@ -692,3 +692,21 @@ def test_prefix_cache_stats_report_queries_tokens_hits_rate_and_cached_blocks():
         "prefix_hit_rate": T / 14,
         "prefix_cached_blocks": 1,
     }
+
+
+def test_a_short_write_stores_each_token_at_its_own_slot_whatever_the_order():
+    """A short write (direct slice copies) with skips, descending slots and interleaved runs: every token lands at
+    exactly its slot, the skipped one nowhere, and no other slot changes (oracle: a dense slot -> K/V map)."""
+    pool = BlockPool(SPEC, 5)
+    slots = [-1, 2, 3, 21, 20, 19, 5, 30, 6, -1, 7]
+    gen = torch.Generator().manual_seed(4)
+    key, value = torch.randn(2, len(slots), SPEC.num_kv_heads, SPEC.head_dim, generator=gen).unbind(0)
+    pool.write(0, torch.tensor(slots), key, value)
+    want = {s: i for i, s in enumerate(slots) if s >= 0}
+    for s in range(5 * T):
+        k = pool.block(s // T)[0, 0, :, s % T]
+        v = pool.block(s // T)[0, 1, :, s % T]
+        if s in want:
+            assert torch.equal(k, key[want[s]]) and torch.equal(v, value[want[s]])
+        else:
+            assert torch.count_nonzero(k) == 0 and torch.count_nonzero(v) == 0
