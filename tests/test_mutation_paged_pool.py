@@ -17,6 +17,7 @@ from memos_ref.errors import (
     DeviceError,
     DTypeError,
     InvalidArgumentError,
+    InvalidBlockError,
     InvariantError,
     LayerIndexError,
     ShapeError,
@@ -710,3 +711,46 @@ def test_a_short_write_stores_each_token_at_its_own_slot_whatever_the_order():
             assert torch.equal(k, key[want[s]]) and torch.equal(v, value[want[s]])
         else:
             assert torch.count_nonzero(k) == 0 and torch.count_nonzero(v) == 0
+
+
+def test_block_ids_and_index_tensors_are_refused_by_name_with_the_valid_range():
+    """An id below 0 or past the pool, or not an int, is refused naming the argument (block / src / dst) and the
+    range [0, num_blocks); slots or a block table that is not a tensor is refused naming it."""
+    pool = BlockPool(SPEC, 4)
+    with pytest.raises(InvalidBlockError, match=r"^block id -1 is not in \[0, 4\)$"):
+        pool.block(-1)
+    with pytest.raises(InvalidBlockError, match=r"^block id 4 is not in \[0, 4\)$"):
+        pool.block(4)
+    with pytest.raises(ArgumentTypeError, match=r"^block: expected int, got float"):
+        pool.block(1.5)
+    with pytest.raises(InvalidBlockError, match=r"^src id 9 is not in \[0, 4\)$"):
+        pool.copy_block(9, 0)
+    with pytest.raises(InvalidBlockError, match=r"^dst id -2 is not in \[0, 4\)$"):
+        pool.copy_block(0, -2)
+    one = torch.ones(1, SPEC.num_kv_heads, SPEC.head_dim)
+    with pytest.raises(ArgumentTypeError, match=r"^slots: expected Tensor, got list"):
+        pool.write(0, [0], one, one)
+    with pytest.raises(ArgumentTypeError, match=r"^block_table: expected Tensor, got list"):
+        pool.gather(0, [0], 1)
+    with pytest.raises(ShapeError, match=r"^block_table: expected a 1-d tensor, got shape \(1, 1\)$"):
+        pool.gather(0, torch.zeros(1, 1, dtype=torch.long), 1)
+    for dtype in (torch.bool, torch.complex64, torch.float16):
+        with pytest.raises(ArgumentTypeError, match=rf"^block_table: expected an integer tensor, got dtype {dtype}$"):
+            pool.gather(0, torch.zeros(1, dtype=dtype), 1)
+    assert pool.gather(0, torch.zeros(1, dtype=torch.int32), 1)[0].shape == (SPEC.num_kv_heads, 1, SPEC.head_dim)
+
+
+@pytest.mark.parametrize("table", [[3, 0], [3, 0, 1], [1, 2, 0, 3], [2, 3, 0, 1]])
+def test_gather_follows_the_block_table_in_order(table):
+    """gather returns the table's blocks in table order, the first num_tokens of them, whatever runs of consecutive
+    ids the table holds (oracle: each block's K/V set by hand)."""
+    pool = BlockPool(SPEC, 4)
+    gen = torch.Generator().manual_seed(sum(table))
+    dense = torch.randn(4, SPEC.num_layers, 2, SPEC.num_kv_heads, T, SPEC.head_dim, generator=gen)
+    for b in range(4):
+        pool.block(b).copy_(dense[b])
+    n = len(table) * T - 3
+    k, v = pool.gather(1, torch.tensor(table), n)
+    want_k = torch.cat([dense[b, 1, 0] for b in table], dim=1)[:, :n]  # [H, n, D]
+    want_v = torch.cat([dense[b, 1, 1] for b in table], dim=1)[:, :n]
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
