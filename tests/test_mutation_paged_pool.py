@@ -711,6 +711,13 @@ def test_a_short_write_stores_each_token_at_its_own_slot_whatever_the_order():
             assert torch.equal(k, key[want[s]]) and torch.equal(v, value[want[s]])
         else:
             assert torch.count_nonzero(k) == 0 and torch.count_nonzero(v) == 0
+    bad = torch.tensor([0, -1, -2, 40, 41, 42, 43])  # the pool ends at slot 40
+    key, value = key[:7], value[:7]
+    with pytest.raises(
+        InvalidArgumentError, match=r"^slots: expected -1 \(skip\) or a slot in \[0, 40\), got \[-2, 40, 41, 42\]$"
+    ):
+        pool.write(1, bad, key, value)
+    assert torch.count_nonzero(pool.layer_view(1)) == 0
 
 
 def test_block_ids_and_index_tensors_are_refused_by_name_with_the_valid_range():
