@@ -678,3 +678,56 @@ def test_a_pool_without_prefix_caching_reads_nothing_ahead_even_with_bulk_tiers(
     r = engine.submit(Request(_prompt(20, 0), 2))
     engine.run(max_steps=5)
     assert r.output == [7, 7] and bulk.calls == [] and engine.tier_counts == {}
+
+
+def test_a_prefix_lookup_that_raises_fails_only_its_request_and_one_out_of_blocks_waits():
+    """A tier hook whose prefix extension raises for one prompt: that request fails with the hook's error, holding
+    nothing, and the next request starts in the same step. When the hook runs out of blocks instead, the request
+    waits at the head of the queue (counted, not failed) and runs once the hook recovers."""
+
+    class _Hook:
+        driven_by_thread = True  # so the engine does not step it
+        error: Exception | None = None
+
+        def touch(self, blocks, now=None) -> None:
+            pass
+
+        def extend_prefix(self, token_ids, cache_salt, device_blocks):
+            if self.error is not None and token_ids[0] == 1:  # only _prompt(n, 0)
+                raise self.error
+            return []
+
+    kv = PagedKV(SPEC, 16, device="meta", prefix_caching=True)
+    kv.tier_manager = hook = _Hook()
+    engine = Engine(_Fake(), kv)
+    hook.error = ValueError("the hook broke")
+    bad, good = engine.submit(Request(_prompt(5, 0), 2)), engine.submit(Request(_prompt(5, 1), 3))
+    engine.step()
+    assert bad.error is hook.error and engine.failures == 1 and [r for r, _ in engine.running] == [good]
+    engine.run(max_steps=5)
+    assert good.output == [7, 7, 7] and kv.allocator.num_active == 0
+    hook.error = OutOfBlocksError(needed=1, available=0)
+    r = engine.submit(Request(_prompt(5, 0), 2))
+    engine.step()
+    assert list(engine.waiting) == [r] and engine.deferred_admissions == 1 and not r.failed
+    assert kv.allocator.num_active == 0
+    hook.error = None
+    engine.run(max_steps=5)
+    assert r.output == [7, 7] and not r.failed and engine.failures == 1
+
+
+def test_a_prefill_that_fails_after_taking_its_blocks_gives_them_all_back():
+    """A prefill that reserves its 3 blocks and then raises: the request fails with the error and, right after that
+    step, the pool holds only the other request's block."""
+
+    def hook(ids, cache, pos):
+        if ids.shape == (1, 20):
+            cache.prepare_step(*ids.shape)  # 3 blocks taken
+            raise ValueError("prefill broke")
+
+    kv = _kv(16)
+    engine = Engine(_Fake(hook=hook), kv)
+    bad, good = engine.submit(Request(_prompt(20, 0), 2)), engine.submit(Request(_prompt(5, 1), 3))
+    engine.step()
+    assert isinstance(bad.error, ValueError) and [r for r, _ in engine.running] == [good]
+    assert kv.allocator.num_active == 1
