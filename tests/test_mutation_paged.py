@@ -992,8 +992,8 @@ def test_admit_over_a_windowed_pool_reuses_the_prefix_of_its_salt_and_refuses_wh
 
 def test_admit_over_a_windowed_pool_that_runs_out_of_staging_leaves_an_empty_reusable_sequence():
     """When the rest of the prompt cannot be staged, admit raises StagingFullError and the sequence is empty and
-    live again: no block held, hit statistics as before, the prefix still cached with its tail evicted before
-    it (blocks are given back last first), and the same sequence admits a prompt that fits."""
+    live again: no block held, hit statistics as before, the prefix still cached, and the same sequence takes
+    writes (registering its full blocks) and admits a prompt that fits."""
     kv, gen = _quant_kv(num_blocks=12, staging=2), torch.Generator().manual_seed(35)
     prefix = list(range(700, 716))
     blocks = _cached_prefix(kv, prefix, gen)
@@ -1008,6 +1008,9 @@ def test_admit_over_a_windowed_pool_that_runs_out_of_staging_leaves_an_empty_reu
     assert [kv.allocator.refcount[b] for b in blocks[:2]] == [0, 0]
     assert kv.allocator.num_available == 12
     kv.check()
+    _append(seq, list(range(900, 910)), gen)  # written directly: its full block is registered as for a new one
+    assert _registered(kv, seq) == [block_hashes(list(range(900, 908)), T, fingerprint=FP)[0], None]
+    seq.truncate(0)
     assert list(seq.admit([*prefix, 5, 6])) == [16, 17]
     assert seq.block_table[:2] == blocks[:2] and seq.num_registered == 2
     _append(seq, list(range(800, 814)), gen)  # fills block 2 and 3: registered after the adopted chain
