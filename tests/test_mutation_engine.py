@@ -731,3 +731,44 @@ def test_a_prefill_that_fails_after_taking_its_blocks_gives_them_all_back():
     engine.step()
     assert isinstance(bad.error, ValueError) and [r for r, _ in engine.running] == [good]
     assert kv.allocator.num_active == 1
+
+
+def test_a_preempted_request_counts_the_prefix_it_reuses_at_every_admission():
+    """4 blocks with prefix caching, 2 held outside. A finished 9-token request leaves block 0 cached; R (the same
+    prompt) reuses those 8 tokens and computes 1, decodes 7 tokens and is preempted at 16. Readmitted with its 17
+    tokens it reuses both full blocks (16) and computes 1, then decodes its last 3. Reused totals 8 + 16, computed
+    1 + 7 + 1 + 3: every token its admissions and steps processed is counted once."""
+    kv = PagedKV(SPEC, 4, device="meta", prefix_caching=True)
+    held = kv.allocator.allocate(2)
+    engine = Engine(_Fake(), kv)
+    engine.submit(Request(_prompt(9, 0), 1))
+    engine.run(max_steps=5)
+    r = engine.submit(Request(_prompt(9, 0), 12))
+    with pytest.raises(OutOfBlocksError):
+        engine.run(max_steps=50)  # preempted at 16 tokens; 17 + 1 need 3 blocks, 2 are left
+    assert (r.stats.reused_tokens, r.stats.computed_tokens, len(r.output)) == (8, 8, 8)
+    kv.allocator.free_many(held)
+    engine.run(max_steps=50)
+    assert r.output == [7] * 12 and r.stats.preemptions == 1
+    assert (r.stats.reused_tokens, r.stats.computed_tokens) == (8 + 16, 1 + 7 + 1 + 3)
+
+
+def test_an_interrupt_during_a_prefill_keeps_the_request_queued_and_gives_its_blocks_back():
+    """A KeyboardInterrupt in the middle of a prefill (its blocks taken) goes through; the request stays at the head
+    of the queue holding nothing, and the next run serves it."""
+    state = {"armed": True}
+
+    def hook(ids, cache, pos):
+        if ids.shape[1] > 1 and state["armed"]:
+            state["armed"] = False
+            cache.prepare_step(*ids.shape)
+            raise KeyboardInterrupt
+
+    kv = _kv(16)
+    engine = Engine(_Fake(hook=hook), kv)
+    r = engine.submit(Request(_prompt(20, 0), 2))
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert list(engine.waiting) == [r] and not engine.running and kv.allocator.num_active == 0
+    engine.run(max_steps=5)
+    assert r.output == [7, 7] and not r.failed
