@@ -1073,3 +1073,34 @@ def test_truncate_over_a_windowed_pool_takes_back_the_kept_blocks_the_shorter_wi
     assert seq.window_start == 0 and len(seq.block_table) == 3
     assert [int(kv.pool.window_holds[b]) for b in seq.block_table] == [1, 1, 1]
     kv.check()
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error", "message"),
+    [
+        ([[1.0]], torch.zeros(2, 1, 4), ArgumentTypeError, r"^key: expected Tensor, got list"),
+        (torch.zeros(2, 1, 4), None, ArgumentTypeError, r"^value: expected Tensor, got NoneType"),
+        (
+            torch.zeros(2, 3, 4),
+            torch.zeros(2, 4, 4),
+            ShapeError,
+            r"^key/value must be \[kv_heads, tokens, head_dim\], got \(2, 3, 4\) and \(2, 4, 4\)$",
+        ),
+        (torch.zeros(2, 4), torch.zeros(2, 4), ShapeError, r"^key/value must be .*, got \(2, 4\) and \(2, 4\)$"),
+    ],
+)
+def test_append_refuses_a_non_tensor_or_mismatched_key_value_naming_them_and_changes_nothing(
+    key, value, error, message
+):
+    _kv, seq = _written(5)
+    with pytest.raises(error, match=message):
+        seq.append(0, key, value, [1, 2, 3])
+    assert seq.num_tokens == 5 and seq.layer_tokens == [5, 5] and len(seq.block_table) == 1
+
+
+def test_writing_every_layer_without_a_prefix_cache_registers_nothing_and_works():
+    kv, gen = PagedKV(SPEC, 8, prefix_caching=False), torch.Generator().manual_seed(38)
+    seq = kv.new_sequence()
+    _append(seq, list(range(20)), gen)
+    assert seq.num_tokens == 20 and seq.num_registered == 0 and not kv.allocator.indexed_blocks()
+    kv.check()
