@@ -772,3 +772,36 @@ def test_an_interrupt_during_a_prefill_keeps_the_request_queued_and_gives_its_bl
     assert list(engine.waiting) == [r] and not engine.running and kv.allocator.num_active == 0
     engine.run(max_steps=5)
     assert r.output == [7, 7] and not r.failed
+
+
+def test_a_decode_step_is_one_batched_forward_over_every_running_row():
+    """Three running requests: each decode step is a single forward of 3 rows (continuous batching), never one per
+    row."""
+    shapes = []
+    engine = Engine(_Fake(hook=lambda ids, cache, pos: shapes.append(tuple(ids.shape))), _kv(16))
+    reqs = [engine.submit(Request(_prompt(5, i), 3)) for i in range(3)]
+    engine.run(max_steps=5)
+    assert all(r.output == [7, 7, 7] for r in reqs)
+    assert shapes == [(1, 5)] * 3 + [(3, 1)] * 2
+
+
+def test_an_interrupt_in_the_row_by_row_retry_keeps_every_row_running():
+    """The batched decode step raises, and the row-by-row retry is interrupted at R2: the interrupt goes through,
+    R1 (handled) and R2 (cut back to its tokens before the step) both stay running, in order, and then finish."""
+    state = {"armed": True}
+
+    def hook(ids, cache, pos):
+        if ids.shape[1] == 1 and ids.shape[0] > 1:
+            raise RuntimeError("batched step fails")
+        if ids.shape == (1, 1) and cache.sequences[0].num_tokens == 6 and state["armed"]:  # R2 alone
+            state["armed"] = False
+            raise KeyboardInterrupt
+
+    kv = _kv(16)
+    engine = Engine(_Fake(hook=hook), kv, max_batch=4)
+    r1, r2 = engine.submit(Request(_prompt(5, 1), 4)), engine.submit(Request(_prompt(6, 2), 4))
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert [r for r, _ in engine.running] == [r1, r2] and [s.num_tokens for _, s in engine.running] == [6, 6]
+    engine.run(max_steps=10)
+    assert r1.output == [7] * 4 and r2.output == [7] * 4 and kv.allocator.num_active == 0
