@@ -805,3 +805,24 @@ def test_an_interrupt_in_the_row_by_row_retry_keeps_every_row_running():
     assert [r for r, _ in engine.running] == [r1, r2] and [s.num_tokens for _, s in engine.running] == [6, 6]
     engine.run(max_steps=10)
     assert r1.output == [7] * 4 and r2.output == [7] * 4 and kv.allocator.num_active == 0
+
+
+def test_an_interrupt_in_a_batched_decode_step_undoes_it_and_keeps_every_row():
+    """A KeyboardInterrupt in the middle of a batched decode step (its slots reserved) goes through; every row is cut
+    back to its tokens before the step and stays running, and the next run finishes both."""
+    state = {"armed": True}
+
+    def hook(ids, cache, pos):
+        if ids.shape == (2, 1) and state["armed"]:
+            state["armed"] = False
+            cache.prepare_step(*ids.shape)
+            raise KeyboardInterrupt
+
+    kv = _kv(16)
+    engine = Engine(_Fake(hook=hook), kv)
+    r1, r2 = engine.submit(Request(_prompt(5, 1), 3)), engine.submit(Request(_prompt(6, 2), 3))
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert [r for r, _ in engine.running] == [r1, r2] and [s.num_tokens for _, s in engine.running] == [5, 6]
+    engine.run(max_steps=10)
+    assert r1.output == [7] * 3 and r2.output == [7] * 3 and kv.allocator.num_active == 0
