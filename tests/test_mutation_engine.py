@@ -826,3 +826,14 @@ def test_an_interrupt_in_a_batched_decode_step_undoes_it_and_keeps_every_row():
     assert [r for r, _ in engine.running] == [r1, r2] and [s.num_tokens for _, s in engine.running] == [5, 6]
     engine.run(max_steps=10)
     assert r1.output == [7] * 3 and r2.output == [7] * 3 and kv.allocator.num_active == 0
+
+
+def test_steps_counts_the_decode_steps_run():
+    """A 4-token request decodes 3 steps (its first token comes from the prefill); a second run adds 2 more."""
+    engine = Engine(_Fake(), _kv(16))
+    engine.submit(Request([1, 2, 3], 4))
+    engine.run(max_steps=10)
+    assert engine.steps == 3
+    engine.submit(Request([1, 2, 3], 3))
+    engine.run(max_steps=10)
+    assert engine.steps == 5
