@@ -1032,11 +1032,6 @@ def test_a_failed_windowed_admit_gives_its_blocks_back_last_first_so_the_prefix_
     assert kv.allocator.hash_of(blocks[0]) is not None and kv.allocator.hash_of(blocks[1]) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: the one-token fast path of advance/append_token skips registering blocks whose ids were set "
-    "mid-step; fix: take the general path unless caught up (see the paged mutation report)",
-)
 @pytest.mark.parametrize("how", ["advance", "append_token"])
 def test_a_one_token_advance_mid_step_registers_the_blocks_whose_ids_were_set_as_reserve_and_mark_written(how):
     """advance([token]) is reserve + mark_written in one call: after positions were reserved and their ids recorded

@@ -116,6 +116,7 @@ class SequenceTokens(SequenceState):
             and type(token) is int
             and UNKNOWN_TOKEN <= token <= MAX_TOKEN_ID
             and self._plain  # live, no residual window
+            and self.layer_tokens[-1] == start  # between steps (a mid-step call takes the general path)
             and self._refcount[self.block_table[-1]] == 1
             and self.block_table[-1] not in self._indexed
         ):
@@ -134,6 +135,8 @@ class SequenceTokens(SequenceState):
         is full — for a plain valid id on a live sequence without a residual window to track; False (nothing
         changed) otherwise: a shared or indexed tail is copied on write by the general path. Under ``_lock``."""
         if self._freed or self._windows or type(token) is not int or not UNKNOWN_TOKEN <= token <= MAX_TOKEN_ID:
+            return False
+        if not self.caught_up:  # a mid-step call: reserve + mark_written register what set_token_ids recorded
             return False
         start, t = self.num_tokens, self.block_size
         if start % t:
