@@ -4,6 +4,7 @@ what a user relies on, against an oracle kept beside the pool (a dense tensor, c
 from __future__ import annotations
 
 import hashlib
+import re
 from array import array
 from types import SimpleNamespace
 
@@ -26,6 +27,7 @@ from memos_ref.errors import (
 from memos_ref.paged import BlockAllocator, BlockPool, PagedKV, PrefixCache, block_hashes
 from memos_ref.paged.allocator import MAX_BLOCKS, BlockState
 from memos_ref.paged.check import check_invariants
+from memos_ref.paged.pool import gather_blocks
 from memos_ref.paged.prefix import pack_token_ids
 from memos_ref.paged.step import StepBatch, rollback
 from memos_ref.quant import FP8E4M3
@@ -761,3 +763,37 @@ def test_gather_follows_the_block_table_in_order(table):
     want_k = torch.cat([dense[b, 1, 0] for b in table], dim=1)[:, :n]  # [H, n, D]
     want_v = torch.cat([dense[b, 1, 1] for b in table], dim=1)[:, :n]
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+@pytest.mark.parametrize(
+    "blocks", [[0, 1, 2, 3], [5, 1, 7, 3, 0, 6, 2, 4, 9, 8], list(range(9, -1, -1)), [4, 5, 0, 1, 8]]
+)
+def test_gather_blocks_fills_out_with_the_blocks_in_order_and_refuses_a_wrong_or_strided_out(blocks):
+    """gather_blocks of a [N, *lead, T, D] tensor: block i of the result is cache[blocks[i]] (any number of runs,
+    so both the run copies and the one index_select), written into ``out`` when given; an ``out`` of another shape,
+    or of the right shape but not contiguous, is a ShapeError naming the expected shape."""
+    gen = torch.Generator().manual_seed(len(blocks))
+    cache = torch.randn(10, 2, 3, T, 4, generator=gen)  # [N, 2, H, T, D]
+    want = torch.stack([cache[b] for b in blocks], dim=2)  # [2, H, n, T, D]
+    assert torch.equal(gather_blocks(cache, blocks), want)
+    out = torch.empty_like(want)
+    assert gather_blocks(cache, blocks, out) is out and torch.equal(out, want)
+    shape = (2, 3, len(blocks), T, 4)
+    with pytest.raises(
+        ShapeError, match=rf"^out: expected a contiguous {re.escape(str(shape))}, got \(2, 3, 1, 8, 4\)$"
+    ):
+        gather_blocks(cache, blocks, torch.empty(2, 3, 1, T, 4))
+    strided = torch.empty(2, 3, T, len(blocks), 4).transpose(2, 3)
+    with pytest.raises(ShapeError, match=rf"^out: expected a contiguous {re.escape(str(shape))}, got "):
+        gather_blocks(cache, blocks, strided)
+
+
+def test_gather_blocks_of_a_scattered_table_works_whatever_torchs_default_device_is():
+    """A scattered table (the index_select path) reads the cache's own device even inside ``with
+    torch.device("meta")``: the index tensor is built on the cache's device, not torch's default."""
+    cache = torch.arange(10 * 2 * T, dtype=torch.float32).reshape(10, 2, 1, T, 1)
+    blocks = [5, 1, 7, 3, 0, 6, 2, 4, 9, 8]
+    want = torch.stack([cache[b] for b in blocks], dim=2)
+    with torch.device("meta"):
+        got = gather_blocks(cache, blocks)
+    assert got.device.type == "cpu" and torch.equal(got, want)
