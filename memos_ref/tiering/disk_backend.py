@@ -80,6 +80,7 @@ class _RootBooks:
 #: by (pid, root): a forked child inherits this dict but not the parent's record lock, so it must lock anew
 _ROOTS: dict[tuple[int, Path], _RootBooks] = {}
 _ROOTS_LOCK = threading.Lock()
+_PENDING_RELEASES: list[tuple[int, Path]] = []  # finalizers that found _ROOTS_LOCK busy (see _release_root)
 _LOCK_NAME = ".lock"
 #: O_NONBLOCK: a FIFO planted at ``root/.lock`` opens at once (then fstat refuses it) instead of blocking.
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _O_CLOEXEC
@@ -120,12 +121,26 @@ def _lock_root(root: Path) -> int | None:
 
 
 def _release_root(owner: tuple[int, Path]) -> None:
+    """A backend's finalizer. The garbage collector may run it inside this thread's own ``with _ROOTS_LOCK:``
+    (a new backend allocating while an old one in a reference cycle dies), so it never blocks on that lock: when
+    the lock is busy the release is queued, and the next holder of the lock carries it out first."""
     if owner[0] != os.getpid():  # a forked child exiting: the lock and the books are its parent's
         return
-    with _ROOTS_LOCK:
+    _PENDING_RELEASES.append(owner)
+    if _ROOTS_LOCK.acquire(blocking=False):
+        try:
+            _drain_releases()
+        finally:
+            _ROOTS_LOCK.release()
+
+
+def _drain_releases() -> None:
+    """Carry out the queued releases (under ``_ROOTS_LOCK``)."""
+    while _PENDING_RELEASES:
+        owner = _PENDING_RELEASES.pop()
         books = _ROOTS.get(owner)
         if books is None:
-            return
+            continue
         books.users -= 1
         if books.users == 0:
             del _ROOTS[owner]
@@ -189,6 +204,7 @@ class DiskBackend(BudgetLRU):
             raise ConfigError(f"disk tier root {str(self.root)!r} is not a directory")
         self._owner = (os.getpid(), self.root)
         with _ROOTS_LOCK:
+            _drain_releases()
             books = _ROOTS.get(self._owner)
             if books is None:
                 books = _ROOTS[self._owner] = _RootBooks(_lock_root(self.root))  # StateError: another process
