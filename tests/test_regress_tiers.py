@@ -216,6 +216,45 @@ def test_disk_start_keeps_another_process_temp_file(tmp_path):
         writer.wait()
 
 
+_COLLECT_INSIDE_THE_CONSTRUCTOR = """
+import gc, subprocess, sys
+from memos_ref.tiering import disk_backend
+from memos_ref.tiering.backends import DiskBackend
+
+gc.disable()  # the collection happens where this script says, not at some allocation before it
+old_root, new_root = sys.argv[1:]
+old = DiskBackend(old_root, 10_000)
+old.cycle = old  # only the garbage collector can free it now
+del old
+take_root = disk_backend._lock_root  # called inside the constructor's critical section (a new root's lock)
+
+def collect_then_take(root):
+    gc.collect()  # runs the old backend's finalizer here, as an allocation there could
+    return take_root(root)
+
+disk_backend._lock_root = collect_then_take
+new = DiskBackend(new_root, 10_000)  # kept alive: its own release would drain the queue
+other = "import sys; from memos_ref.tiering.backends import DiskBackend; DiskBackend(sys.argv[1], 10_000)"
+taken = subprocess.run([sys.executable, "-c", other, old_root], capture_output=True, text=True, timeout=60)
+print("the old root, from another process:", taken.returncode, taken.stderr.strip().splitlines()[-1:])
+sys.exit(taken.returncode)
+"""
+
+
+def test_a_backend_collected_inside_another_backends_constructor_neither_deadlocks_nor_keeps_its_root(tmp_path):
+    """The garbage collector can run a dead backend's finalizer in the middle of a new backend's constructor, which
+    holds the module's lock on the roots (a CI worker beside a CPU hog hung there for good). The finalizer must not
+    wait for that lock, and the release must still happen by the time the constructor returns: another process
+    can then take the old root."""
+    run = subprocess.run(
+        [sys.executable, "-c", _COLLECT_INSIDE_THE_CONSTRUCTOR, str(tmp_path / "old"), str(tmp_path / "new")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, f"rc {run.returncode}: {run.stdout}{run.stderr}"
+
+
 def test_disk_start_survives_dangling_symlinks_and_odd_entries(tmp_path):
     root = tmp_path / "kv"
     first = DiskBackend(root, 10_000)

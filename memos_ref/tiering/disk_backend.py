@@ -123,11 +123,16 @@ def _lock_root(root: Path) -> int | None:
 def _release_root(owner: tuple[int, Path]) -> None:
     """A backend's finalizer. The garbage collector may run it inside this thread's own ``with _ROOTS_LOCK:``
     (a new backend allocating while an old one in a reference cycle dies), so it never blocks on that lock: when
-    the lock is busy the release is queued, and the next holder of the lock carries it out first."""
+    the lock is busy the release is queued, and the holder carries it out as it lets the lock go."""
     if owner[0] != os.getpid():  # a forked child exiting: the lock and the books are its parent's
         return
     _PENDING_RELEASES.append(owner)
-    if _ROOTS_LOCK.acquire(blocking=False):
+    _drain_if_free()
+
+
+def _drain_if_free() -> None:
+    """Carry out the queued releases unless another frame holds ``_ROOTS_LOCK`` (it calls this once it lets go)."""
+    while _PENDING_RELEASES and _ROOTS_LOCK.acquire(blocking=False):
         try:
             _drain_releases()
         finally:
@@ -209,6 +214,7 @@ class DiskBackend(BudgetLRU):
             if books is None:
                 books = _ROOTS[self._owner] = _RootBooks(_lock_root(self.root))  # StateError: another process
             books.users += 1
+        _drain_if_free()  # what a collection inside the block above queued (an old backend's release)
         self._closer = weakref.finalize(self, _release_root, self._owner)
         self._sizes, self._lock = books.sizes, books.lock  # shared with this process's other backends here
         with self._lock:
