@@ -4,6 +4,8 @@ after fork() of a prefilled prefix; with a prefix-cache hit; in batches; with cl
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -357,6 +359,56 @@ def test_a_cache_dropped_inside_the_allocator_is_freed_on_the_next_operation(shi
     PagedCache(kv)  # the next operation releases it
     assert kv.allocator.num_active == 0 and not kv.sequences
     kv.check()
+
+
+_COLLECT_INSIDE_THE_DRAIN = """
+import gc, torch
+from memos_ref.hf import PagedCache, rows
+from memos_ref.paged.store import PagedKV
+from memos_ref.spec import KVSpec
+
+gc.disable()  # collections happen where this script says
+kv = PagedKV(KVSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, block_size=8), 8)
+
+def a_cache_of_two_blocks():
+    cache = PagedCache(kv)
+    cache.update(torch.ones(1, 1, 9, 4), torch.ones(1, 1, 9, 4), 0)
+    cache.cycle = cache  # once dropped, only a collection frees it
+    return cache
+
+class CollectAtFirstRead(list):  # a collection starts at the drain's first touch of the deferred rows
+    armed = True
+    def _collect(self):
+        if self.armed:
+            self.armed = False
+            gc.collect()
+    def __getitem__(self, i):
+        self._collect()
+        return super().__getitem__(i)
+    def pop(self, *i):
+        self._collect()
+        return super().pop(*i)
+
+with kv.allocator.lock:  # the user's code holds the allocator (its lock is public) around cache operations
+    first, second = a_cache_of_two_blocks(), a_cache_of_two_blocks()
+    del first
+    gc.collect()  # finalized inside the allocator: its rows wait
+    assert kv.allocator.num_active == 4, kv.allocator.num_active
+    rows._pending = CollectAtFirstRead(rows._pending)
+    del second
+    PagedCache(kv)  # the next operation frees the waiting rows; a collection inside it finalizes the second cache
+    assert kv.allocator.num_active == 0, kv.allocator.num_active
+kv.check()
+print("freed")
+"""
+
+
+def test_a_cache_finalized_while_the_deferred_rows_are_freed_is_freed_too_without_a_deadlock():
+    """The deferred rows' list is touched by finalizers, which a collection can start inside the code that frees
+    that list: so that code holds no lock a finalizer would wait for (a lock there hung the thread for good), and
+    the rows that arrive while it runs are freed in the same pass."""
+    run = subprocess.run([sys.executable, "-c", _COLLECT_INSIDE_THE_DRAIN], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "freed", f"rc {run.returncode}: {run.stdout}{run.stderr}"
 
 
 def test_staging_full_in_a_batch_leaves_every_row_as_it_was():

@@ -10,7 +10,6 @@ allocator, the rows wait in a pending list that :func:`drain_pending` frees on t
 from __future__ import annotations
 
 import gc
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,8 +54,10 @@ class Rows:
         self.kv, self.sequences = kv, sequences
 
 
-_pending: list[SequenceCache] = []  # dropped caches' rows, when they could not be freed at once
-_pending_lock = threading.Lock()
+#: dropped caches' rows, when they could not be freed at once. No lock guards it: a finalizer can run inside any
+#: code, this module's included, so one that waited for a lock held lower in its own thread would wait for good;
+#: ``list.extend`` and ``list.pop`` are each atomic.
+_pending: list[SequenceCache] = []
 
 
 def release_rows(rows: Rows) -> None:
@@ -66,8 +67,7 @@ def release_rows(rows: Rows) -> None:
     lock = getattr(rows.kv.allocator, "lock", None)  # the public RLock; a null pool's allocator may have none
     owned = getattr(lock, "_is_owned", None)
     if owned is not None and owned():
-        with _pending_lock:
-            _pending.extend(seqs)
+        _pending.extend(seqs)
         return
     for seq in seqs:
         seq.free()
@@ -75,12 +75,11 @@ def release_rows(rows: Rows) -> None:
 
 def drain_pending() -> None:
     """Free the rows that finalizers had to defer."""
-    if not _pending:
-        return
-    with _pending_lock:
-        seqs = _pending[:]
-        _pending.clear()
-    for seq in seqs:
+    while _pending:
+        try:
+            seq = _pending.pop()
+        except IndexError:  # another thread took the last one
+            return
         seq.free()
 
 
