@@ -20,12 +20,10 @@ Oracle (tests): every request's output equals generating it alone with transform
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +32,6 @@ from memos_ref.errors import (
     ArgumentTypeError,
     CapacityExceededError,
     ConfigError,
-    InvalidArgumentError,
     OutOfBlocksError,
     StagingFullError,
     StateError,
@@ -44,91 +41,13 @@ from memos_ref.errors import (
 from memos_ref.paged.sequence import SequenceCache
 from memos_ref.paged.step import rollback as _rollback
 from memos_ref.paged.store import PagedKV
+from memos_ref.request import GREEDY_TEMPERATURE, Request, RequestStats
 
 if TYPE_CHECKING:  # imported when an Engine is built: transformers' import is not paid by `import memos_ref.engine`
     from memos_ref.decode_graph import GraphedDecoder
     from memos_ref.hf import PagedCache
 
 __all__ = ["GREEDY_TEMPERATURE", "Engine", "Request", "RequestStats"]
-
-_ids = itertools.count()
-
-
-@dataclass
-class RequestStats:
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    computed_tokens: int = 0
-    ttft_s: float | None = None
-    token_latencies_s: list[float] = field(default_factory=list)
-    preemptions: int = 0
-
-
-#: Temperatures below this are treated as greedy (0): dividing logits by a vanishing temperature is argmax in
-#: the limit, and doing it literally overflows to inf/NaN.
-GREEDY_TEMPERATURE = 1e-4
-
-
-@dataclass
-class Request:
-    """A prompt to continue.
-
-    ``temperature`` 0 (or anything below :data:`GREEDY_TEMPERATURE`) is greedy; otherwise sampling with
-    ``seed``. Arguments are checked here and again, against the model's vocabulary, by :meth:`Engine.submit`
-    (:class:`~memos_ref.errors.ArgumentTypeError` / :class:`~memos_ref.errors.InvalidArgumentError`).
-
-    A request the engine could not serve — its prefill, decode step or sampling raised — ends with
-    ``finished`` set and the exception in ``error`` (``failed`` is True); ``output`` holds what it generated
-    before the failure. Its blocks are released and the other requests carry on.
-    """
-
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    seed: int = 0
-    stop_ids: tuple[int, ...] = ()
-    request_id: int = field(default_factory=lambda: next(_ids))
-    output: list[int] = field(default_factory=list)
-    stats: RequestStats = field(default_factory=RequestStats)
-    arrived: float = field(default_factory=time.perf_counter)
-    finished: bool = False
-    error: BaseException | None = None
-
-    def __post_init__(self) -> None:
-        self.validate()
-        self.prompt = [int(t) for t in self.prompt]
-        self.max_new_tokens = int(self.max_new_tokens)
-        self.seed = int(self.seed)  # numpy ints pass validation; the generator wants a Python int
-        self.stop_ids = tuple(int(t) for t in self.stop_ids)
-        self.temperature = float(self.temperature)
-        self._generator = torch.Generator().manual_seed(self.seed)
-
-    @property
-    def failed(self) -> bool:
-        """True when the request ended with an error (see ``error``)."""
-        return self.error is not None
-
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Check every field (token ids against ``[0, vocab_size)`` when it is given); raises
-        :class:`ArgumentTypeError` or :class:`InvalidArgumentError` naming the field."""
-        check_type("prompt", self.prompt, (list, tuple))
-        if not self.prompt:
-            raise InvalidArgumentError("prompt: expected at least one token id, got an empty prompt")
-        hi = None if vocab_size is None else vocab_size - 1
-        if not _ids_below(self.prompt, vocab_size):  # one pass; the per-token check only to name the bad one
-            for i, token in enumerate(self.prompt):
-                check_index(f"prompt[{i}]", token, lo=0, hi=hi)
-        check_index("max_new_tokens", self.max_new_tokens, lo=1)
-        check_type("temperature", self.temperature, (int, float))
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidArgumentError(
-                f"temperature: expected a finite number >= 0 (0 = greedy), got {self.temperature!r}"
-            )
-        check_index("seed", self.seed, lo=0, hi=2**64 - 1)
-        check_type("stop_ids", self.stop_ids, (list, tuple))
-        if not _ids_below(self.stop_ids, vocab_size):
-            for i, token in enumerate(self.stop_ids):
-                check_index(f"stop_ids[{i}]", token, lo=0, hi=hi)
 
 
 class Engine:
@@ -208,7 +127,7 @@ class Engine:
             return int(logits.argmax())
         scaled = (logits.float() - logits.float().max()) / request.temperature  # max 0: no overflow
         probs = torch.softmax(scaled, dim=-1).cpu()  # the request's generator is a CPU one, on every device
-        return int(torch.multinomial(probs, 1, generator=request._generator))
+        return int(torch.multinomial(probs, 1, generator=request.generator))
 
     def _emit(self, request: Request, seq: SequenceCache, token: int) -> None:
         now = time.perf_counter()
@@ -237,12 +156,11 @@ class Engine:
 
     def _fail(self, request: Request, seq: SequenceCache | None, error: BaseException) -> None:
         """Finish ``request`` with ``error``, releasing its blocks."""
+        request.error, request.finished = error, True
+        self.failures += 1
+        self.finished.append(request)  # recorded before the release: an interrupt inside it loses nothing
         if seq is not None:
             seq.free()
-        request.error = error
-        request.finished = True
-        self.failures += 1
-        self.finished.append(request)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
@@ -355,8 +273,8 @@ class Engine:
     def _retire_or_keep(self, request: Request, seq: SequenceCache) -> bool:
         """Retire a finished request (its blocks freed); returns True when it keeps running."""
         if request.finished:
+            self.finished.append(request)  # recorded before the release: an interrupt inside it loses nothing
             seq.free()
-            self.finished.append(request)
             return False
         return True
 
@@ -365,10 +283,10 @@ class Engine:
         self._requeue(request, seq)
 
     def _requeue(self, request: Request, seq: SequenceCache) -> None:
-        seq.free()
+        self.waiting.appendleft(request)  # queued before the release: an interrupt inside it loses nothing
         request.stats.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(request)
+        seq.free()
 
     def step(self) -> None:
         """Admit what fits, then one decode step for every running request."""
@@ -413,19 +331,25 @@ class Engine:
         """Handle each row of a decoded ``batch`` (``handle`` returns True when the row keeps running) and make
         the kept rows the running list. An interrupt (a ``BaseException``) part-way loses nothing: the rows not
         yet handled — the interrupted one included — are cut back to their ``held`` tokens and stay running,
-        in order, after the rows already handled, and the interrupt goes through."""
+        in order, after the rows already handled, and the interrupt goes through. A row interrupted once its token
+        was recorded keeps it; one finished, failed or queued again keeps that, and its blocks are released."""
         kept: list[tuple[Request, SequenceCache]] = []
-        done = 0
+        done, outputs = 0, [len(request.output) for request, _ in batch]  # before any row's token is recorded
         try:
             for row, (request, seq) in enumerate(batch):
                 if handle(row, request, seq):
                     kept.append((request, seq))
                 done = row + 1
-        except BaseException:
+        except BaseException:  # the rows not handled yet, the interrupted one first
             rest = batch[done:]
-            for (_, seq), n in zip(rest, held[done:]):
-                _rollback(seq, n)
-            self.running = kept + [(r, s) for r, s in rest if not r.finished and not s.freed]
+            gone = [r.finished or any(w is r for w in self.waiting) for r, _ in rest]  # retired, failed, requeued
+            for (request, seq), n, m, out in zip(rest, held[done:], outputs[done:], gone):
+                if not out and len(request.output) == m:  # its token not recorded yet: its step is undone
+                    _rollback(seq, n)
+            self.running = kept + [row for row, out in zip(rest, gone) if not out]
+            for (_, seq), out in zip(rest, gone):
+                if out:
+                    seq.free()  # harmless when it was released already
             raise
         self.running = kept
 
@@ -490,11 +414,3 @@ class Engine:
         if self.waiting or self.running:  # the last allowed step may have finished them
             raise ConfigError(f"requests still unfinished after {max_steps} steps")
         return self.finished
-
-
-def _ids_below(ids: Any, vocab_size: int | None) -> bool:
-    """Whether ``ids`` is a list or tuple of plain ints in ``[0, vocab_size)`` (no upper bound for ``None``):
-    the token check of :meth:`Request.validate` in one pass over C-level builtins."""
-    if type(ids) not in (list, tuple) or not all(type(t) is int for t in ids):
-        return False
-    return not ids or (min(ids) >= 0 and (vocab_size is None or max(ids) < vocab_size))

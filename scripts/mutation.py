@@ -76,7 +76,7 @@ AREAS: dict[str, tuple[list[str], list[str]]] = {
         ["tests/test_memory_store.py", "tests/test_mutation_memory.py"],
     ),
     "engine": (
-        ["memos_ref/engine.py", "memos_ref/engine/*.py"],
+        ["memos_ref/engine.py", "memos_ref/engine/*.py", "memos_ref/request.py"],
         ["tests/test_engine.py", "tests/test_regress_engine_session.py", "tests/test_mutation_engine.py",
          "tests/test_decode_graph.py", "tests/test_bad_input_table.py", "tests/test_tiering_manager.py"],
     ),

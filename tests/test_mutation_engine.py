@@ -837,3 +837,119 @@ def test_steps_counts_the_decode_steps_run():
     engine.submit(Request([1, 2, 3], 3))
     engine.run(max_steps=10)
     assert engine.steps == 5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# An interrupt (KeyboardInterrupt) at any point of a row's handling loses no request and no block: whatever the
+# row had become (finished, failed, queued again, its token recorded) is what the engine keeps.
+# ---------------------------------------------------------------------------------------------------------------
+def _interrupt_once(obj, name: str) -> None:
+    """Make ``obj.name()`` raise KeyboardInterrupt on its first call (then behave as before)."""
+    original = getattr(obj, name)
+
+    def interrupted(*args, **kwargs):
+        setattr(obj, name, original)
+        raise KeyboardInterrupt
+
+    setattr(obj, name, interrupted)
+
+
+def _where(engine, request) -> list[str]:
+    """Every engine list ``request`` is in (by identity): a request is in exactly one, or it was lost."""
+    lists = {"waiting": list(engine.waiting), "running": [r for r, _ in engine.running], "finished": engine.finished}
+    return [name for name, items in lists.items() for r in items if r is request]
+
+
+def test_an_interrupt_as_a_finished_request_releases_its_blocks_leaves_it_finished_and_released():
+    """R1 gets its last token and the interrupt lands as its blocks are released: R1 is among the finished (it
+    was among none before), its blocks are released anyway, and R2 keeps running and then finishes."""
+    kv = _kv(16)
+    engine = Engine(_Fake(), kv)
+    r1, r2 = engine.submit(Request(_prompt(5, 0), 3)), engine.submit(Request(_prompt(5, 1), 4))
+    engine.step()
+    seq1, seq2 = (seq for _, seq in engine.running)
+    _interrupt_once(seq1, "free")
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert _where(engine, r1) == ["finished"] and _where(engine, r2) == ["running"]
+    assert r1.output == [7, 7, 7] and seq1.freed and kv.allocator.num_active == len(seq2.block_table)
+    engine.run(max_steps=10)
+    assert engine.finished == [r1, r2] and r2.output == [7] * 4 and kv.allocator.num_active == 0
+
+
+def _failing_alone(engine, target, error: Exception):
+    """A hook: every batched decode step fails; retried alone, ``target``'s row raises ``error`` (once), and the
+    release of its blocks is interrupted (once)."""
+    state = {"armed": True}
+
+    def hook(ids, cache, pos):
+        if ids.shape[0] > 1 and ids.shape[1] == 1:
+            if state["armed"]:
+                _interrupt_once(next(seq for r, seq in engine.running if r is target), "free")
+            raise RuntimeError("the batched step fails")
+        if ids.shape == (1, 1) and state["armed"] and cache.sequences[0].seq_id == _seq_id_of(engine, target):
+            state["armed"] = False
+            raise error
+
+    return hook
+
+
+def _seq_id_of(engine, target) -> int | None:
+    return next((seq.seq_id for r, seq in engine.running if r is target), None)
+
+
+@pytest.mark.parametrize("error", ["fails", "queued again"])
+def test_an_interrupt_as_a_failed_or_requeued_row_releases_its_blocks_loses_neither_request_nor_block(error):
+    """The batched step fails and R1, retried alone, fails (ValueError: it is finished with the error) or finds
+    the pool full (CapacityExceededError: it is queued again); the interrupt lands as its blocks are released.
+    R1 is in exactly the list it was moved to — finished with its error, or waiting — its blocks are released, R2
+    is still running, and the next run finishes R2 (and R1 when it was queued again)."""
+    from memos_ref.errors import CapacityExceededError
+
+    kv = _kv(16)
+    model = _Fake()
+    engine = Engine(model, kv)
+    r1, r2 = engine.submit(Request(_prompt(5, 0), 3)), engine.submit(Request(_prompt(6, 1), 3))
+    exc = ValueError("R1 fails alone") if error == "fails" else CapacityExceededError("no room for R1 alone")
+    model.hook = _failing_alone(engine, r1, exc)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert _where(engine, r1) == (["finished"] if error == "fails" else ["waiting"])
+    assert (r1.error is exc) == (error == "fails") and _where(engine, r2) == ["running"]
+    assert kv.allocator.num_active == len(engine.running[0][1].block_table)  # R1's blocks are back
+    model.hook = None
+    engine.run(max_steps=10)
+    assert r2.output == [7] * 3 and kv.allocator.num_active == 0
+    assert r1.output == ([7] if error == "fails" else [7] * 3)
+
+
+class _InterruptAfterAppend(list):
+    """An output list whose next append records the token and then raises KeyboardInterrupt (once)."""
+
+    armed = False
+
+    def append(self, item) -> None:
+        super().append(item)
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+def test_an_interrupt_after_a_rows_token_is_recorded_keeps_the_token_and_its_kv():
+    """The interrupt lands right after R1's new token is recorded (its step complete). R1 keeps the token and the
+    K/V of the step: every running row holds exactly prompt + output - 1 tokens (the last token's K/V is written by
+    the next step). Cutting R1 back would drop the K/V of a token the next step no longer feeds, and the row would
+    attend over a gap."""
+    kv = _kv(16)
+    engine = Engine(_Fake(), kv)
+    r1, r2 = engine.submit(Request(_prompt(5, 0), 4)), engine.submit(Request(_prompt(6, 1), 4))
+    engine.step()
+    r1.output = _InterruptAfterAppend(r1.output)
+    r1.output.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert r1.output == [7, 7, 7] and [r for r, _ in engine.running] == [r1, r2]
+    for r, seq in engine.running:
+        assert seq.num_tokens == len(r.prompt) + len(r.output) - 1, (r.request_id, seq.num_tokens)
+    engine.run(max_steps=10)
+    assert r1.output == [7] * 4 and r2.output == [7] * 4 and kv.allocator.num_active == 0
