@@ -797,3 +797,48 @@ def test_gather_blocks_of_a_scattered_table_works_whatever_torchs_default_device
     with torch.device("meta"):
         got = gather_blocks(cache, blocks)
     assert got.device.type == "cpu" and torch.equal(got, want)
+
+
+def _grown_pool(dtype: torch.dtype, gen: torch.Generator) -> tuple[BlockPool, torch.Tensor]:
+    """A pool of ``dtype`` grown from 2 to 5 blocks (two segments), each block set to random K/V; returns the pool
+    and the dense oracle ``[5, L, 2, H, T, D]`` of its blocks."""
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype=dtype, block_size=T)
+    pool = BlockPool(spec, 2)
+    pool.grow(3)
+    assert len(pool.segments) == 2
+    dense = torch.randn(5, *spec.block_shape, generator=gen).to(dtype)
+    for b in range(5):
+        pool.block(b).copy_(dense[b])
+    return pool, dense
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gather_of_a_grown_pool_keeps_the_pools_dtype_and_device_whatever_torchs_defaults_are(dtype):
+    """gather over a grown pool (a table crossing its segments) returns the pool's own dtype on the pool's own
+    device, holding exactly the blocks' K/V in table order — also inside ``with torch.device("meta")`` (as code
+    that builds models under a default device runs it): the result is never built on torch's default device or
+    in its default dtype."""
+    pool, dense = _grown_pool(dtype, torch.Generator().manual_seed(7))
+    table = [4, 0, 3, 1]  # segment 1, segment 0, segment 1, segment 0
+    n = 3 * T + 5
+    want_k = torch.cat([dense[b, 1, 0] for b in table], dim=1)[:, :n]  # [H, n, D]
+    want_v = torch.cat([dense[b, 1, 1] for b in table], dim=1)[:, :n]
+    for ambient in (torch.device("cpu"), torch.device("meta")):
+        with ambient:
+            k, v = pool.gather(1, torch.tensor(table, device="cpu"), n)
+        assert k.dtype == v.dtype == dtype and k.device == v.device == pool.device, (ambient, k.dtype, k.device)
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: a block table on another device")
+def test_gather_of_a_grown_host_pool_takes_a_block_table_on_the_gpu():
+    """A host pool (grown: two segments) gathers from a block table that lives on the GPU, as the single-segment
+    pool does: the table is brought to the pool's device before it indexes the segments (a CUDA index into a host
+    tensor is refused by torch)."""
+    pool, dense = _grown_pool(torch.float32, torch.Generator().manual_seed(8))
+    table = [4, 0, 3, 1]
+    n = 4 * T
+    k, v = pool.gather(0, torch.tensor(table, device="cuda"), n)
+    assert k.device == pool.device
+    assert torch.equal(k, torch.cat([dense[b, 0, 0] for b in table], dim=1))
+    assert torch.equal(v, torch.cat([dense[b, 0, 1] for b in table], dim=1))
