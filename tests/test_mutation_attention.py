@@ -1010,3 +1010,17 @@ def test_paged_attention_edge_batches_and_options():
         for q, t, n in ((query, tables, lens), no_rows):  # refused even when no row would use the option
             with pytest.raises(error, match=match):
                 paged_attention(q, cache_k, cache_v, t, n, **opts)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: GPU caches with host block tables")
+def test_paged_attention_of_gpu_caches_takes_host_block_tables():
+    """GPU caches with block tables and lengths built on the host (the batched path: every row holds all its
+    queries): the rows' gather index is brought to the caches' device (index_select on a GPU tensor refuses a
+    host index; ``meta`` caches accept one, so the CPU cannot show it) and each row is the float64 oracle."""
+    cache_k, cache_v = _raw_pool(seed=5)
+    tables, lens = torch.tensor([[4, 1], [0, 5]]), torch.tensor([13, 10])
+    query = torch.randn(2, 4, 1, 8, generator=torch.Generator().manual_seed(5))
+    out = paged_attention(query.cuda(), cache_k.cuda(), cache_v.cuda(), tables, lens)
+    assert out.device.type == "cuda"
+    for i, (k, v) in enumerate(_rows(cache_k, cache_v, tables, lens)):
+        torch.testing.assert_close(out[i].double().cpu(), _oracle(query[i], k, v), atol=1e-5, rtol=1e-5)
