@@ -8,6 +8,7 @@ import contextlib
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from memos_ref.paged import PagedKV
 from memos_ref.quant import FP8E4M3, PerTokenInt8, QuantizedBlockPool
@@ -978,3 +979,36 @@ def test_bookkeeping_works_whatever_torchs_default_device_is():
     (s0, st0, b0, h0), (s1, st1, b1, h1) = want
     assert (s1, st1, h1) == (s0, st0, h0) == (1, [False, False, True], [0, 0, 1, 0, 0, 0])
     assert all(torch.equal(x, y) for x, y in zip(b0, b1, strict=True))
+
+
+class _CastOverflowsToNaN(TorchFunctionMode):
+    """torch < 2.12's cast to ``float8_e4m3fn`` (the c10 conversion before pytorch#178817, on the CPU and on CUDA):
+    a value of magnitude >= 480 (the first one past 448's rounding range), infinities included, becomes NaN. From
+    2.12 on the cast saturates at ±448 by itself; pyproject admits torch >= 2.4."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.to and isinstance(out, torch.Tensor) and out.dtype == torch.float8_e4m3fn:
+            source = args[0]
+            if source.dtype != torch.float8_e4m3fn:
+                bits = out.view(torch.uint8).clone()  # s.1111.111 is NaN; the sign is kept, as c10 kept it
+                bits[source.float().abs() >= 480.0] |= 0x7F
+                out = bits.view(torch.float8_e4m3fn)
+        return out
+
+
+def test_fp8_encode_saturates_at_448_even_where_torchs_cast_overflows_to_nan():
+    """fp8_encode saturates values beyond ±448·scale itself, so its codes hold no NaN under a torch whose cast to
+    float8_e4m3fn turns an overflow into NaN (torch < 2.12, emulated here; this torch saturates on its own)."""
+    x = torch.tensor([1000.0, -1000.0, 500.0, -480.0, 448.0, -3.0, float("inf"), float("-inf")])
+    with _CastOverflowsToNaN():
+        assert torch.tensor([1000.0, -480.0, 3.0]).to(torch.float8_e4m3fn).float().isnan().tolist() == [
+            True,
+            True,
+            False,
+        ]  # the premise: the emulated cast gives NaN past the range
+        codes, clipped = fp8_encode(x, torch.tensor(1.0))
+    assert codes.dtype == torch.float8_e4m3fn
+    assert codes.float().tolist() == [448.0, -448.0, 448.0, -448.0, 448.0, -3.0, 448.0, -448.0]
+    assert clipped == 6
