@@ -365,3 +365,139 @@ def test_a_fork_of_a_sequence_started_from_a_prefix_hashes_none_of_the_prompt_ag
     monkeypatch.undo()
     assert [kv.allocator.hash_of(b) for b in child.block_table] == block_hashes(ids, T, fingerprint=FP)
     kv.check()
+
+
+# ---------------------------------------------------------------------------------------------- copy-on-write
+def _bookkept(kv, n, forks=0):
+    """A sequence holding ``n`` tokens with no ids (never indexed), and ``forks`` live forks of it."""
+    seq = kv.new_sequence()
+    seq.reserve(n)
+    seq.mark_written()
+    return seq, [seq.fork() for _ in range(forks)]
+
+
+def _scenario(kv, name):
+    if name == "empty":
+        return _bookkept(kv, 0)[0]
+    if name == "private partial tail":
+        return _bookkept(kv, 12)[0]
+    if name == "full tail shared":
+        return _bookkept(kv, 16, forks=1)[0]
+    if name == "partial tail shared by two":
+        return _bookkept(kv, 12, forks=1)[0]
+    if name == "partial tail shared by three":
+        return _bookkept(kv, 12, forks=2)[0]
+    seq = kv.new_sequence()  # "partial tail indexed": a registered block made a partial tail again
+    seq.advance(list(range(100, 124)))
+    seq.truncate(20)
+    return seq
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 13])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "empty",
+        "private partial tail",
+        "full tail shared",
+        "partial tail shared by two",
+        "partial tail shared by three",
+        "partial tail indexed",
+    ],
+)
+def test_blocks_needed_is_exactly_what_reserve_then_takes_from_the_allocator(name, n):
+    """An admission check trusts blocks_needed(n): it is the number of blocks reserve(n) then allocates — the new
+    blocks for the tokens past the table, plus one for copying a partly filled tail that another sequence shares
+    or the prefix index holds (a full shared tail, an empty sequence or a private tail need no copy)."""
+    kv = PagedKV(SPEC, 32, fingerprint=FP)
+    seq = _scenario(kv, name)
+    start, before = seq.num_tokens, list(seq.block_table)
+    copy = start % T != 0 and (kv.allocator.refcount[before[-1]] > 1 or kv.allocator.hash_of(before[-1]) is not None)
+    want = -(-(start + n) // T) - len(before) + copy
+    assert seq.blocks_needed(n) == want
+    seq.reserve(n)
+    assert len(set(seq.block_table) - set(before)) == want  # every block new to the table was allocated for it
+    assert seq.cow_copies == copy
+    kv.check()
+
+
+def _write(seq, n, gen, dense):
+    """Append ``n`` random tokens to every layer of ``seq`` and to its dense copy ``dense[layer]`` [H, S, D]."""
+    for layer in range(SPEC.num_layers):
+        k = torch.randn(2, n, 4, generator=gen)
+        seq.append(layer, k, -k)
+        dense[layer] = torch.cat([dense[layer], k], dim=1)
+
+
+def test_each_copy_on_write_copies_the_tail_it_replaces_and_is_counted_once():
+    """Writing into a shared, partly filled tail copies that tail (and only it) to a private block first: the
+    sequences that share it read their own K/V, the blocks before the tail stay shared (refcount = holders), and
+    every copy adds one to the writer's cow_copies."""
+    kv, gen = PagedKV(SPEC, 16, fingerprint=FP), torch.Generator().manual_seed(7)
+    empty = torch.zeros(2, 0, 4)
+    parent, d_parent = kv.new_sequence(), [empty, empty]
+    _write(parent, 20, gen, d_parent)  # 3 blocks, 4 tokens in the tail
+    child, d_child = parent.fork(), list(d_parent)
+    _write(child, 2, gen, d_child)  # copy 1: block 2
+    assert child.cow_copies == 1 and child.block_table[:2] == parent.block_table[:2]
+    assert child.block_table[2] != parent.block_table[2]
+    grandchild, d_grand = child.fork(), list(d_child)
+    _write(child, 1, gen, d_child)  # copy 2: child's private tail, now shared with the grandchild
+    assert child.cow_copies == 2 and grandchild.cow_copies == 0 and parent.cow_copies == 0
+    assert child.block_table[:2] == grandchild.block_table[:2] == parent.block_table[:2]
+    assert len({parent.block_table[2], child.block_table[2], grandchild.block_table[2]}) == 3
+    assert [kv.allocator.refcount[b] for b in parent.block_table] == [3, 3, 1]
+    for seq, dense in ((parent, d_parent), (child, d_child), (grandchild, d_grand)):
+        for layer in range(SPEC.num_layers):
+            k, v = seq.to_dense(layer)
+            assert torch.equal(k, dense[layer]) and torch.equal(v, -dense[layer])
+    kv.check()
+
+
+def test_a_failed_tail_copy_gives_back_every_block_and_changes_nothing(monkeypatch):
+    """Copy-on-write allocates the private tail and the new blocks together; when the copy itself fails (a device
+    error) the error reaches the caller and all of them go back: the table, refcounts and free blocks are as
+    before, and the same reserve then succeeds."""
+    kv = PagedKV(SPEC, 8, fingerprint=FP)
+    seq, (sibling,) = _bookkept(kv, 12, forks=1)
+    table, refs, available = list(seq.block_table), _refcounts(kv), kv.allocator.num_available
+
+    def broken(src, dst):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(kv.pool, "copy_block", broken)
+    assert seq.blocks_needed(10) == 2  # the copy and one new block
+    with pytest.raises(RuntimeError, match=r"^copy failed$"):
+        seq.reserve(10)
+    assert seq.block_table == table and seq.num_tokens == 12 and seq.cow_copies == 0
+    assert _refcounts(kv) == refs and kv.allocator.num_available == available
+    kv.check()
+    monkeypatch.undo()
+    seq.reserve(10)
+    assert seq.num_tokens == 22 and seq.cow_copies == 1 and seq.block_table[0] == sibling.block_table[0]
+    assert kv.allocator.num_available == available - 2
+    kv.check()
+
+
+def test_copy_on_write_over_a_windowed_pool_moves_the_window_holds_to_the_private_tail():
+    """Over a quantized pool with a residual window, a sequence holds the blocks inside its window at full
+    precision; after copy-on-write it holds its private copy and its new blocks instead of the shared tail, which
+    only the other sequence still holds (holds counted by hand per block)."""
+    from memos_ref.quant import FP8E4M3
+
+    kv = PagedKV(SPEC, 16, quant=FP8E4M3(), residual_tokens=32, staging_blocks=12, fingerprint=FP)
+    gen = torch.Generator().manual_seed(9)
+    empty = torch.zeros(2, 0, 4)
+    parent, dense = kv.new_sequence(), [empty, empty]
+    _write(parent, 12, gen, dense)
+    child = parent.fork()
+    b0, b1 = parent.block_table
+    holds = [0] * 16
+    holds[b0] = holds[b1] = 2
+    assert kv.pool.window_holds.tolist() == holds
+    _write(child, 6, gen, [empty, empty])  # copy the shared tail, and one new block: 18 tokens, all in the window
+    c0, private, new = child.block_table
+    assert c0 == b0 and private != b1 and new not in (b0, b1, private)
+    holds[b1], holds[private], holds[new] = 1, 1, 1
+    assert kv.pool.window_holds.tolist() == holds
+    kv.check()
