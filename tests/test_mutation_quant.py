@@ -1036,18 +1036,12 @@ def _read_back(scheme, device: str) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: a GPU pool read through a host table")
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug (by reading, unrun: no GPU here): QuantizedBlockPool.read_blocks moves the staging mask to the pool's "
-    "device and indexes the host block ids with it (blocks[~staged]); torch refuses a CUDA index into a host tensor. "
-    "Fix: keep the slot map's mask on the CPU (slots = self.staging_slot[blocks.cpu()], no .to(self.device): a host "
-    "mask indexes host and device tensors alike) or move blocks to the pool's device first",
-)
 @pytest.mark.parametrize("scheme", [PerTokenInt8(), FP8E4M3()], ids=["int8", "fp8"])
 def test_a_gpu_quantized_pool_reads_sealed_and_staged_blocks_through_a_host_block_table(scheme):
     """A quantized pool on the GPU reads a sequence back through ``SequenceCache.to_dense`` (a host block table, as
     the reference attention path and the dense mirror pass it): sealed blocks decoded and the staged one at full
-    precision, each token within the codec's error of what was written — as on the CPU."""
+    precision, each token within the codec's error of what was written — as on the CPU. (It raised before the fix,
+    found by reading: the staging mask was moved to the GPU and indexed the host block ids; unrun here, no GPU.)"""
     _read_back(scheme, "cuda")
 
 

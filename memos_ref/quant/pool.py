@@ -312,7 +312,7 @@ class QuantizedBlockPool:
         check_block_table(blocks, self.num_blocks, blocks.numel() * t if isinstance(blocks, torch.Tensor) else 0, t)
         n = blocks.numel()
         out = torch.empty((n, 2, *self.spec.block_shape[2:]), dtype=self.spec.dtype, device=self.device)
-        slots = self.staging_slot[blocks.cpu()].to(self.device)  # the slot map lives on the CPU
+        slots = self.staging_slot[blocks.cpu()]  # host, as the slot map: a host mask indexes host and device alike
         staged = slots >= 0
         if bool(staged.any()):
             out[staged] = self.staging[slots[staged], layer]
