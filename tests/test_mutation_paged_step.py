@@ -1,0 +1,235 @@
+"""StepBatch (one forward step's paged metadata) and PrefixCache hashing: issue 30's mutation survivors in
+memos_ref/paged/step.py and memos_ref/paged/prefix.py. Each test states what a user relies on; the oracles are the
+K/V tensors the test wrote (per row, token by token), the allocator's counts before a call, and block hashes written
+out with hashlib (BLAKE2b-128 of parent ‖ fingerprint\\0salt ‖ the ids as little-endian signed int64)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from memos_ref.errors import ConfigError, DeviceError, DTypeError, OutOfBlocksError, ShapeError, StateError
+from memos_ref.paged import PagedKV
+from memos_ref.paged.step import StepBatch
+from memos_ref.spec import KVSpec
+
+T = 8
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, block_size=T)
+FP = "model-m"
+
+
+def _kv(seed: int, rows: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K/V ``[rows, H, n, D]`` of one step."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(2, rows, SPEC.num_kv_heads, n, SPEC.head_dim, generator=gen).unbind(0)
+    return k, v
+
+
+def _row_major(x: torch.Tensor) -> torch.Tensor:
+    """``[B, H, n, D]`` as ``[B·n, H, D]``, row by row and token by token (the slot mapping's order), built by hand."""
+    return torch.stack([x[b, :, t, :] for b in range(x.shape[0]) for t in range(x.shape[2])])
+
+
+def _chain(ids: list[int], extra: bytes, parent: bytes = b"") -> list[bytes]:
+    """The oracle: BLAKE2b-128 of parent ‖ extra ‖ int64 ids, block by block, written out with hashlib."""
+    out = []
+    for i in range(len(ids) // T):
+        packed = b"".join(x.to_bytes(8, "little", signed=True) for x in ids[i * T : (i + 1) * T])
+        parent = hashlib.blake2b(parent + extra + packed, digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- StepBatch.reserve
+def test_a_step_of_no_rows_is_refused_saying_so():
+    """StepBatch.reserve of no sequences is a ConfigError saying a step needs at least one."""
+    with pytest.raises(ConfigError, match=r"^a step needs at least one sequence$"):
+        StepBatch.reserve([], 1)
+
+
+def test_a_step_over_a_row_with_a_lagging_layer_is_refused_naming_the_row_and_its_counts():
+    """A row whose layers do not all hold its reserved tokens (the last step wrote layer 0 only) is refused before
+    anything is reserved: a ConfigError naming the sequence, the distinct counts its layers hold and the tokens
+    reserved; the other rows of the batch reserve nothing."""
+    kv = PagedKV(SPEC, 8)
+    other, lagging = kv.new_sequence(), kv.new_sequence()
+    k, v = _kv(0, 1, 3)
+    StepBatch.reserve([lagging], 3).write(0, k, v)  # layer 1 never writes
+    assert lagging.layer_tokens == [3, 0]
+    before = kv.allocator.stats()
+    msg = (
+        rf"^sequence {lagging.seq_id}: layers hold \[0, 3\] of 3 reserved tokens; a step starts only when every "
+        r"layer holds every token \(roll the last step back\)$"
+    )
+    with pytest.raises(ConfigError, match=msg):
+        StepBatch.reserve([other, lagging], 1)
+    assert other.num_tokens == 0 and other.block_table == [] and kv.allocator.stats() == before
+
+
+def test_a_step_that_runs_out_of_blocks_on_a_later_row_gives_back_what_every_earlier_row_took():
+    """All rows or none: three rows, blocks for the first two only. The step is refused (OutOfBlocksError) and the
+    first two rows are back at their own starts (the first kept its earlier tokens and block), every block they
+    took is free again."""
+    kv = PagedKV(SPEC, 3)
+    a, b, c = kv.new_sequence(), kv.new_sequence(), kv.new_sequence()
+    StepBatch.reserve([a], 2).mark_written_by_kernel()  # a holds 2 tokens in one block
+    held = list(a.block_table)
+    before = kv.allocator.stats()
+    with pytest.raises(OutOfBlocksError):
+        StepBatch.reserve([a, b, c], T)  # a: 1 block more, b: 1, c: none left
+    assert a.num_tokens == 2 and a.layer_tokens == [2, 2] and a.block_table == held
+    assert b.num_tokens == 0 and b.block_table == [] and c.num_tokens == 0 and c.block_table == []
+    assert kv.allocator.stats() == before and kv.allocator.num_available == 2
+    kv.check()
+
+
+# ---------------------------------------------------------------------------------------------- StepBatch.check_kv
+def _batch(kv: PagedKV, rows: int = 2, n: int = 3) -> StepBatch:
+    return StepBatch.reserve([kv.new_sequence() for _ in range(rows)], n)
+
+
+def test_check_kv_refuses_a_key_or_a_value_of_the_wrong_shape_alone_naming_expected_and_both_shapes():
+    """K/V must both be ``[B, H, n, D]``: a key alone, or a value alone, of another shape is a ShapeError naming
+    the expected shape and the two shapes received; a write refused so changes no row's counts."""
+    kv = PagedKV(SPEC, 8)
+    batch = _batch(kv)
+    k, v = _kv(1, 2, 3)
+    head = r"^key/value: expected \[batch, kv_heads, tokens, head_dim\] = \[2, 2, 3, 4\], got "
+    with pytest.raises(ShapeError, match=head + r"\[2, 2, 3, 5\] and \[2, 2, 3, 4\]$"):
+        batch.check_kv(torch.zeros(2, 2, 3, 5), v)
+    with pytest.raises(ShapeError, match=head + r"\[2, 2, 3, 4\] and \[2, 2, 1, 4\]$"):
+        batch.check_kv(k, torch.zeros(2, 2, 1, 4))
+    with pytest.raises(ShapeError, match=head + r"\[1, 2, 3, 4\] and \[2, 2, 3, 4\]$"):
+        batch.write(0, k[:1], v)
+    assert [seq.layer_tokens for seq in batch.sequences] == [[0, 0], [0, 0]] and batch.written == [False, False]
+    batch.check_kv(k, v)  # the right shapes pass
+
+
+def test_check_kv_refuses_a_key_or_a_value_of_another_dtype_alone_naming_both_and_the_pools():
+    """K/V must hold the pool's dtype: a key alone, or a value alone, of another dtype is a DTypeError naming the
+    two dtypes received and the pool's."""
+    kv = PagedKV(SPEC, 8)
+    batch = _batch(kv)
+    k, v = _kv(2, 2, 3)
+    msg = r"^key/value dtype torch.float16/torch.float32 does not match the pool's torch.float32$"
+    with pytest.raises(DTypeError, match=msg):
+        batch.check_kv(k.half(), v)
+    msg = r"^key/value dtype torch.float32/torch.float64 does not match the pool's torch.float32$"
+    with pytest.raises(DTypeError, match=msg):
+        batch.write(1, k, v.double())
+    assert batch.written == [False, False]
+
+
+def test_check_kv_refuses_a_key_or_a_value_on_another_device_alone():
+    """K/V must live on the pool's device: a key alone on another device is a DeviceError naming that device and the
+    pool's; a value alone on another device is a DeviceError too (and a write refused so changes nothing)."""
+    kv = PagedKV(SPEC, 8)
+    batch = _batch(kv)
+    k, v = _kv(3, 2, 3)
+    with pytest.raises(DeviceError, match=r"^key device meta does not match the pool's cpu$"):
+        batch.check_kv(k.to("meta"), v)
+    with pytest.raises(DeviceError):
+        batch.check_kv(k, v.to("meta"))
+    with pytest.raises(DeviceError):
+        batch.write(0, k, v.to("meta"))
+    assert batch.written == [False, False]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: check_kv's DeviceError names only the key's device, so a value on the wrong device reads "
+    "'key device cpu does not match the pool's cpu' (fix: name key.device/value.device)",
+)
+def test_check_kv_names_the_device_of_a_value_on_another_device():
+    """A value on another device than the pool's: the DeviceError names that device (expected vs actual)."""
+    batch = _batch(PagedKV(SPEC, 8))
+    k, v = _kv(4, 2, 3)
+    with pytest.raises(DeviceError, match=r"meta"):
+        batch.check_kv(k, v.to("meta"))
+
+
+# ---------------------------------------------------------------------------------------------- StepBatch.write
+def test_each_layer_writes_once_per_step_and_the_rows_register_after_the_last_layer():
+    """Every row's K/V of each layer land at its positions (its dense K/V equal what was written); a layer written
+    twice in one step is a StateError naming it, with nothing changed; the step is complete, and the rows' full
+    blocks are registered under the hashes of their ids, only once the last layer wrote."""
+    kv = PagedKV(SPEC, 8, fingerprint=FP)
+    rows = [kv.new_sequence(), kv.new_sequence()]
+    ids = [list(range(100, 100 + T)), list(range(200, 200 + T))]
+    batch = StepBatch.reserve(rows, T)
+    for seq, row_ids in zip(rows, ids):
+        seq.set_token_ids(row_ids)
+    k0, v0 = _kv(5, 2, T)
+    batch.write(0, k0, v0)
+    assert batch.written == [True, False] and not batch.complete
+    assert [seq.layer_tokens for seq in rows] == [[T, 0], [T, 0]]
+    assert [kv.allocator.hash_of(seq.block_table[0]) for seq in rows] == [None, None]
+    with pytest.raises(StateError, match=r"^layer 0 already wrote this step$"):
+        batch.write(0, *_kv(6, 2, T))
+    k1, v1 = _kv(7, 2, T)
+    batch.write(1, k1, v1)
+    assert batch.written == [True, True] and batch.complete
+    for i, seq in enumerate(rows):
+        assert seq.layer_tokens == [T, T]
+        for layer, (k, v) in enumerate(((k0, v0), (k1, v1))):
+            dk, dv = seq.to_dense(layer)
+            assert torch.equal(dk, k[i]) and torch.equal(dv, v[i])
+        assert kv.allocator.hash_of(seq.block_table[0]) == _chain(ids[i], FP.encode() + b"\x00")[0]
+    kv.check()
+
+
+def test_a_write_refuses_a_row_freed_or_rewritten_since_the_step_was_prepared():
+    """A row freed since the step was prepared (its layers still at the step's start), or whose layer another batch
+    wrote meanwhile: a StateError naming the sequence, and no row's counts change."""
+    kv = PagedKV(SPEC, 8)
+    kept, gone = kv.new_sequence(), kv.new_sequence()
+    batch = StepBatch.reserve([kept, gone], 2)
+    gone.free()
+    with pytest.raises(StateError, match=rf"^sequence {gone.seq_id} changed since this step was prepared$"):
+        batch.write(0, *_kv(8, 2, 2))
+    assert kept.layer_tokens == [0, 0] and batch.written == [False, False]
+    seq = kv.new_sequence()
+    step = StepBatch.reserve([seq], 2)
+    StepBatch.resume([seq], 0, 2).write(0, *_kv(9, 1, 2))  # another batch writes layer 0 first
+    with pytest.raises(StateError, match=rf"^sequence {seq.seq_id} changed since this step was prepared$"):
+        step.write(0, *_kv(10, 1, 2))
+    assert step.written == [False, False]
+
+
+def test_a_write_through_a_store_hands_it_the_step_the_layer_and_the_kv_row_major():
+    """``store(step, layer, k, v)`` replaces the pool store: it is called once with this step, the layer index and
+    K/V as ``[B·n, H, D]`` in row-major token order (what a kernel indexing :attr:`slot_mapping` needs); the rows'
+    counts then advance as after a plain write."""
+    kv = PagedKV(SPEC, 8)
+    rows = [kv.new_sequence(), kv.new_sequence()]
+    batch = StepBatch.reserve(rows, 3)
+    calls = []
+
+    def store(step: StepBatch, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        calls.append((step, layer, k.clone(), v.clone()))
+
+    key, value = _kv(11, 2, 3)
+    batch.write(1, key, value, store=store)
+    assert len(calls) == 1
+    step, layer, k, v = calls[0]
+    assert step is batch and layer == 1
+    assert torch.equal(k, _row_major(key)) and torch.equal(v, _row_major(value))
+    assert [seq.layer_tokens for seq in rows] == [[0, 3], [0, 3]] and batch.written == [False, True]
+
+
+def test_a_write_to_a_pool_of_two_segments_stores_each_rows_kv_in_its_own_segment():
+    """A plain pool of two segments (one block each): one row's block lies in each; every layer's write puts each
+    row's K/V in its own block (its dense K/V equal what was written)."""
+    kv = PagedKV(SPEC, 2, segments=2)
+    rows = [kv.new_sequence(), kv.new_sequence()]
+    batch = StepBatch.reserve(rows, T)
+    assert sorted(seq.block_table[0] for seq in rows) == [0, 1]
+    written = [_kv(12 + layer, 2, T) for layer in range(SPEC.num_layers)]
+    for layer, (k, v) in enumerate(written):
+        batch.write(layer, k, v)
+    for i, seq in enumerate(rows):
+        for layer, (k, v) in enumerate(written):
+            dk, dv = seq.to_dense(layer)
+            assert torch.equal(dk, k[i]) and torch.equal(dv, v[i])
