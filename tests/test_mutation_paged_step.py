@@ -6,12 +6,24 @@ out with hashlib (BLAKE2b-128 of parent ‖ fingerprint\\0salt ‖ the ids as li
 from __future__ import annotations
 
 import hashlib
+from array import array
 
+import numpy as np
 import pytest
 import torch
 
-from memos_ref.errors import ConfigError, DeviceError, DTypeError, OutOfBlocksError, ShapeError, StateError
-from memos_ref.paged import PagedKV
+from memos_ref.errors import (
+    ArgumentTypeError,
+    ConfigError,
+    DeviceError,
+    DTypeError,
+    InvalidArgumentError,
+    OutOfBlocksError,
+    ShapeError,
+    StateError,
+)
+from memos_ref.paged import BlockAllocator, PagedKV, PrefixCache, block_hashes
+from memos_ref.paged.prefix import check_token_ids, iter_packed_hashes
 from memos_ref.paged.step import StepBatch
 from memos_ref.spec import KVSpec
 
@@ -40,6 +52,42 @@ def _chain(ids: list[int], extra: bytes, parent: bytes = b"") -> list[bytes]:
         parent = hashlib.blake2b(parent + extra + packed, digest_size=16).digest()
         out.append(parent)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- StepBatch metadata
+def test_step_metadata_is_long_on_the_pools_device_whatever_torchs_default_device_is():
+    """A step's slot mapping, block tables and lengths are int64 tensors on the pool's device even when torch's
+    default device is another (here meta): the slots of each row's new tokens in row-major order, each row's block
+    table padded with -1 to the widest, the lengths after the step; a reserved batch is not a resumed one."""
+    kv = PagedKV(SPEC, 8)
+    long_row, short_row = kv.new_sequence(), kv.new_sequence()
+    StepBatch.reserve([long_row], T + 2).mark_written_by_kernel()  # 2 blocks, the second partly filled
+    with torch.device("meta"):
+        batch = StepBatch.reserve([long_row, short_row], 3)
+    for tensor in (batch.slot_mapping, batch.block_tables, batch.seq_lens):
+        assert tensor.device == torch.device("cpu") and tensor.dtype == torch.long
+    a, b = long_row.block_table, short_row.block_table
+    assert len(a) == 2 and len(b) == 1
+    slots = [a[p // T] * T + p % T for p in range(T + 2, T + 5)] + [b[0] * T + p for p in range(3)]
+    assert batch.slot_mapping.tolist() == slots
+    assert batch.block_tables.tolist() == [a, [b[0], -1]] and batch.tables == [a, b]
+    assert batch.seq_lens.tolist() == [T + 5, 3] == batch.lens and batch.starts == [T + 2, 0]
+    assert batch.resumed is False
+
+
+def test_a_step_of_zero_tokens_over_empty_rows_has_int64_metadata_and_writes_nothing():
+    """A step of no new tokens over rows holding none: its slot mapping ``[0]`` and block tables ``[B, 0]`` are
+    int64 like any other step's (usable as indices), and each layer's write of empty K/V changes no count."""
+    kv = PagedKV(SPEC, 4)
+    rows = [kv.new_sequence(), kv.new_sequence()]
+    batch = StepBatch.reserve(rows, 0)
+    assert batch.slot_mapping.dtype == torch.long and batch.slot_mapping.shape == (0,)
+    assert batch.block_tables.dtype == torch.long and batch.block_tables.shape == (2, 0)
+    empty = torch.zeros(2, SPEC.num_kv_heads, 0, SPEC.head_dim)
+    for layer in range(SPEC.num_layers):
+        batch.write(layer, empty, empty)
+    assert batch.complete and [seq.layer_tokens for seq in rows] == [[0, 0], [0, 0]]
+    assert kv.allocator.num_available == 4
 
 
 # ---------------------------------------------------------------------------------------------- StepBatch.reserve
@@ -233,3 +281,136 @@ def test_a_write_to_a_pool_of_two_segments_stores_each_rows_kv_in_its_own_segmen
         for layer, (k, v) in enumerate(written):
             dk, dv = seq.to_dense(layer)
             assert torch.equal(dk, k[i]) and torch.equal(dv, v[i])
+
+
+# ---------------------------------------------------------------------------------------------- check_token_ids
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64, torch.bool])
+def test_check_token_ids_refuses_a_tensor_of_non_integers_naming_its_dtype(dtype):
+    """A tensor of floats, complex numbers or bools is no token ids: an ArgumentTypeError naming the argument and
+    the tensor's dtype (not a complaint about its first element); an integer tensor of any shape is read row-major."""
+    with pytest.raises(ArgumentTypeError, match=rf"^ids: expected integer token ids, got a tensor of {dtype}$"):
+        check_token_ids("ids", torch.ones(3, dtype=dtype))
+    assert check_token_ids("ids", torch.tensor([[1, 2], [3, -1]])) == [1, 2, 3, -1]
+
+
+def test_check_token_ids_of_numpy_ints_keeps_the_unknown_id_and_refuses_one_past_int64_by_position():
+    """Ids that are not plain ints (numpy integers) are converted one by one: -1 (unknown) is kept, -2 and 2**63
+    (past signed int64, what hashes pack) are InvalidArgumentErrors naming the position, the range and the id."""
+    out = check_token_ids("ids", [np.int64(5), np.int64(-1)])
+    assert out == [5, -1] and {type(x) for x in out} == {int}
+    msg = r"^ids\[1\]: expected an integer in \[-1, 9223372036854775807\], got "
+    with pytest.raises(InvalidArgumentError, match=msg + r"9223372036854775808$"):
+        check_token_ids("ids", [np.uint64(3), np.uint64(2**63)])
+    with pytest.raises(InvalidArgumentError, match=msg + r"-2$"):
+        check_token_ids("ids", [np.int64(3), np.int64(-2)])
+
+
+@pytest.mark.parametrize(
+    ("ids", "bad"), [([5, 2**63], 2**63), ([-1, 2**63, 3], 2**63), ([-2, 2**63], -2), ([0, -5], -5)]
+)
+def test_check_token_ids_names_the_id_out_of_range(ids, bad):
+    """Plain int ids out of [-1, 2**63): the InvalidArgumentError names the offending id — the one below -1 if any,
+    else the one past int64 (an unknown -1 beside it is not the culprit)."""
+    with pytest.raises(InvalidArgumentError, match=rf"^ids: token ids must lie in \[0, 2\*\*63\) .*, got {bad}$"):
+        check_token_ids("ids", ids)
+
+
+# ---------------------------------------------------------------------------------------------- block hashing
+def test_block_hashes_pack_ids_as_signed_int64_so_unknown_ids_hash():
+    """Ids are hashed as signed 64-bit ints: a block holding unknown ids (-1) hashes as their two's complement
+    bytes, like any other id (no overflow), and the largest id hashes too."""
+    ids = [-1, 3, -1, 2**63 - 1, 0, 1, 2, -1]
+    assert block_hashes(ids, T) == _chain(ids, b"\x00")
+    assert block_hashes([*ids, *ids], T, fingerprint=FP) == _chain([*ids, *ids], FP.encode() + b"\x00")
+
+
+def test_iter_packed_hashes_starts_from_no_parent_and_hashes_at_most_the_full_blocks_there_are():
+    """iter_packed_hashes: without ``parent`` the chain starts from nothing (the first block of a prompt); asked
+    for more blocks than the packed ids fill, it hashes the full blocks there are; asked for fewer, only those."""
+    ids = list(range(40, 40 + 2 * T + 3))  # two full blocks and a partial one
+    packed = array("q", ids).tobytes()
+    extra = FP.encode() + b"\x00"
+    whole = _chain(ids, extra)
+    assert len(whole) == 2
+    assert list(iter_packed_hashes(packed, T, extra)) == whole
+    assert list(iter_packed_hashes(packed, T, extra, blocks=5)) == whole
+    assert list(iter_packed_hashes(packed[: 16 * T], T, extra, blocks=3)) == whole
+    assert list(iter_packed_hashes(packed, T, extra, blocks=1)) == whole[:1]
+    assert list(iter_packed_hashes(packed[8 * T :], T, extra, whole[0], blocks=9)) == whole[1:]
+
+
+# ---------------------------------------------------------------------------------------------- PrefixCache
+def _prefix_cache() -> PrefixCache:
+    return PrefixCache(BlockAllocator(4), T, fingerprint=FP)
+
+
+def test_prefix_hashes_refuse_a_salt_parent_or_packed_ids_of_the_wrong_type_by_name():
+    """PrefixCache.hashes: a salt that is not a str (or None), a parent that is not bytes, packed ids that are not
+    bytes — each an ArgumentTypeError naming that argument, the type expected and the value received."""
+    cache, ids = _prefix_cache(), list(range(T))
+    with pytest.raises(ArgumentTypeError, match=r"^cache_salt: expected str or NoneType, got int \(5\)$"):
+        cache.hashes(ids, 5)
+    with pytest.raises(ArgumentTypeError, match=r"^parent: expected bytes, got str \('p'\)$"):
+        cache.hashes(ids, parent="p")
+    with pytest.raises(ArgumentTypeError, match=r"^packed: expected bytes, got str \('x'\)$"):
+        cache.hashes(ids, packed="x")
+
+
+def test_prefix_hashes_mix_in_the_fingerprint_and_salt_and_continue_a_given_parent():
+    """PrefixCache.hashes of ids (and of the same ids packed) are the chain under this cache's fingerprint and the
+    salt; continued from ``parent`` they are the whole chain's tail (the hashes after a sequence's first block)."""
+    cache = _prefix_cache()
+    ids = list(range(60, 60 + 2 * T + 1))
+    whole = _chain(ids, b"model-m\x00")
+    assert cache.hashes(ids) == whole and len(whole) == 2
+    assert cache.hashes(ids, "s") == _chain(ids, b"model-m\x00s") != whole
+    assert cache.hashes(ids[T:], parent=whole[0]) == whole[1:]
+    assert cache.hashes(ids[T:], None, whole[0], packed=array("q", ids[T:]).tobytes()) == whole[1:]
+
+
+def test_a_lookup_refuses_a_salt_of_the_wrong_type_by_name_and_counts_nothing():
+    """lookup / lookup_checked with a salt that is not a str (or None): an ArgumentTypeError naming cache_salt,
+    and no query is counted."""
+    cache, ids = _prefix_cache(), list(range(T + 1))
+    for call in (cache.lookup, cache.lookup_checked):
+        with pytest.raises(ArgumentTypeError, match=r"^cache_salt: expected str or NoneType, got bytes \(b's'\)$"):
+            call(ids, b"s")
+    assert cache.stats()["prefix_queries"] == 0
+
+
+def test_a_lookup_of_a_prompt_with_unknown_ids_finds_nothing_and_counts_the_query():
+    """A prompt whose ids include unknown ones (-1, a padded position) is looked up like any other: no block is
+    found (blocks of unknown ids are never cached), the query and its tokens are counted, nothing is held."""
+    alloc = BlockAllocator(4)
+    cache = PrefixCache(alloc, T, fingerprint=FP)
+    prompt = [-1, *range(1, 2 * T)]
+    hit = cache.lookup(prompt)
+    assert hit == [] and hit.chain == _chain(prompt, b"model-m\x00")[:1]
+    assert cache.stats()["prefix_queries"] == 1 and cache.stats()["prefix_query_tokens"] == 2 * T
+    assert alloc.num_available == 4
+
+
+def test_a_salted_prompt_is_hashed_once_by_the_lookup_and_never_again_by_the_sequence_adopting_it(monkeypatch):
+    """The hash chain a salted lookup computed travels with its hit (under the salt's key), so the sequence started
+    from it adopts the cached blocks without hashing the prompt again: one PrefixCache.hashes call in all."""
+    kv = PagedKV(SPEC, 8, fingerprint=FP)
+    prompt = list(range(500, 500 + 2 * T + 1))
+    first = kv.new_sequence("tenant")
+    first.admit(prompt)  # both full blocks registered under the salt
+    calls = []
+    real = PrefixCache.hashes
+
+    def counting(self, *args, **kwargs):
+        calls.append(args)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(PrefixCache, "hashes", counting)
+    seq = kv.start_from_prefix(prompt, cache_salt="tenant")
+    monkeypatch.undo()
+    assert seq.block_table[:2] == first.block_table[:2] and seq.num_tokens == 2 * T
+    assert len(calls) == 1
+    hit = kv.prefix_cache.lookup(prompt, "tenant", count=False)
+    assert hit.extra == kv.prefix_cache.extra_key("tenant") == b"model-m\x00tenant"
+    for block in hit:
+        kv.allocator.free(block)  # the lookup's references
+    kv.check()
