@@ -344,6 +344,31 @@ def _prefix_cache() -> PrefixCache:
     return PrefixCache(BlockAllocator(4), T, fingerprint=FP)
 
 
+def test_a_prefix_cache_checks_its_allocator_and_block_size_and_starts_with_no_fingerprint_and_no_queries():
+    """PrefixCache: an allocator that is not a BlockAllocator, or a block size below 1, is refused by name with the
+    value received; a block size of 1 is a cache of one-token blocks; without a fingerprint it hashes under the
+    empty one (as block_hashes does); a new cache has counted nothing."""
+    alloc = BlockAllocator(4)
+    with pytest.raises(ArgumentTypeError, match=r"^allocator: expected BlockAllocator, got list \(\[\]\)$"):
+        PrefixCache([], T)
+    for bad in (0, -3):
+        with pytest.raises(ConfigError, match=rf"^block_size must be positive, got {bad}$"):
+            PrefixCache(alloc, bad)
+    ids = list(range(70, 70 + 2 * T + 1))
+    assert PrefixCache(alloc, T).hashes(ids) == _chain(ids, b"\x00") == block_hashes(ids, T)
+    ones = PrefixCache(alloc, 1)
+    assert ones.hashes([5, 6]) == block_hashes([5, 6], 1) and len(ones.hashes([5, 6])) == 2
+    assert ones.stats() == {
+        "prefix_queries": 0,
+        "prefix_query_tokens": 0,
+        "prefix_hit_tokens": 0,
+        "prefix_hit_rate": 0.0,
+        "prefix_cached_blocks": 0,
+    }
+    assert ones.lookup([5, 6, 7]) == [] and ones.stats()["prefix_queries"] == 1
+    assert ones.stats()["prefix_query_tokens"] == 3 and ones.stats()["prefix_hit_tokens"] == 0
+
+
 def test_prefix_hashes_refuse_a_salt_parent_or_packed_ids_of_the_wrong_type_by_name():
     """PrefixCache.hashes: a salt that is not a str (or None), a parent that is not bytes, packed ids that are not
     bytes — each an ArgumentTypeError naming that argument, the type expected and the value received."""
