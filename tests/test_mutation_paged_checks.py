@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from memos_ref.errors import (
     ArgumentTypeError,
@@ -18,7 +19,9 @@ from memos_ref.errors import (
     ShapeError,
 )
 from memos_ref.paged import BlockPool, PagedKV, block_hashes
+from memos_ref.paged.pool import gather_blocks
 from memos_ref.paged.prefix import MAX_TOKEN_ID
+from memos_ref.paged.step import rollback
 from memos_ref.spec import KVSpec
 
 T = 8
@@ -72,6 +75,48 @@ def test_gather_checks_only_the_blocks_num_tokens_covers():
     assert torch.equal(k, torch.full((SPEC.num_kv_heads, T, SPEC.head_dim), 3.0)) and torch.equal(v, k)
     with pytest.raises(InvalidBlockError, match=r"^block_table holds block ids \[99\] outside \[0, 4\)$"):
         pool.gather(0, _table(2, 99, -5), T + 1)
+
+
+# ---------------------------------------------------------------------------------------------------- gather_blocks
+class _Calls(TorchFunctionMode):
+    """Records the name of every torch function and tensor method called inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def _runs_table(n: int, runs: int) -> list[int]:
+    """``n`` block ids in exactly ``runs`` runs of consecutive ids (one unused id between runs)."""
+    sizes = [n // runs + (i < n % runs) for i in range(runs)]
+    out, b = [], 0
+    for size in sizes:
+        out.extend(range(b, b + size))
+        b += size + 1
+    return out
+
+
+@pytest.mark.parametrize(
+    ("n", "runs", "index_selects"),
+    [(8, 8, 0), (9, 9, 1), (71, 8, 0), (72, 9, 0), (72, 10, 1), (80, 10, 0), (80, 11, 1)],
+)
+def test_gather_blocks_copies_run_by_run_up_to_max_8_or_n_over_8_runs_and_takes_one_index_select_beyond(
+    n, runs, index_selects
+):
+    """gather_blocks copies a table of at most max(8, n // 8) runs of consecutive ids one strided slice per run (no
+    index tensor, no intermediate copy), and a more scattered table with exactly one index_select; either way the
+    result is the blocks in table order (oracle: advanced indexing)."""
+    cache = torch.randn(96, 2, 1, T, 2, generator=torch.Generator().manual_seed(n + runs))  # [N, 2, H, T, D]
+    blocks = _runs_table(n, runs)
+    with _Calls() as calls:
+        out = gather_blocks(cache, blocks)
+    assert calls.names.count("index_select") == index_selects
+    assert ("tensor" in calls.names) == bool(index_selects)  # the index tensor is built only for index_select
+    assert torch.equal(out, cache[torch.tensor(blocks)].permute(1, 2, 0, 3, 4))  # [2, H, n, T, D]
 
 
 # ------------------------------------------------------------------------------------------------------- check_kv
@@ -157,26 +202,31 @@ def test_append_token_mid_step_on_a_three_layer_model_registers_the_blocks_whose
     assert [kv.allocator.hash_of(b) for b in seq.block_table] == [block_hashes(ids[:T], T, fingerprint=FP)[0], None]
 
 
-def _rolled_back(n: int) -> tuple[PagedKV, object, list[int]]:
+def _rolled_back(n: int, route: str) -> tuple[PagedKV, object, list[int]]:
     """A sequence of ``n`` bookkeeping tokens (ids unknown), then a step that reserved one more token, recorded the
-    ids of all ``n + 1`` with set_token_ids, and failed before any layer wrote: rolled back to ``n``."""
+    ids of all ``n + 1`` with set_token_ids, and failed before any layer wrote: rolled back to ``n`` by
+    ``seq.rollback_step`` or by :func:`memos_ref.paged.step.rollback` (a StepBatch's)."""
     kv = PagedKV(SPEC, 8, fingerprint=FP)
     seq = kv.new_sequence()
     seq.advance([-1] * n)
     seq.reserve(1)
     ids = list(range(100, 101 + n))
     seq.set_token_ids(ids)
-    seq.rollback_step(n)
+    if route == "rollback_step":
+        seq.rollback_step(n)
+    else:
+        rollback(seq, n)
     assert seq.caught_up and seq.num_tokens == n and seq.token_ids == ids[:n]
     return kv, seq, ids[:n]
 
 
+@pytest.mark.parametrize("route", ["rollback_step", "step.rollback"])
 @pytest.mark.parametrize("how", ["advance", "append_token", "advance_two"])
-def test_a_token_appended_at_a_block_boundary_after_rollback_step_registers_the_full_blocks(how):
-    """After rollback_step leaves full blocks whose ids were recorded (every layer holds them), the next append —
-    one token that starts a new block, by advance or append_token, or two tokens — registers those blocks, as
-    reserve + mark_written would: a lookup of that prefix then hits."""
-    kv, seq, ids = _rolled_back(2 * T)
+def test_a_token_appended_at_a_block_boundary_after_a_rollback_registers_the_full_blocks(how, route):
+    """After a rolled-back step, the full blocks whose ids were recorded (every layer holds them) are registered by
+    the next append at the latest — one token that starts a new block, by advance or append_token, or two tokens —
+    as reserve + mark_written would: a lookup of that prefix then hits."""
+    kv, seq, ids = _rolled_back(2 * T, route)
     if how == "advance":
         seq.advance([7])
     elif how == "append_token":
@@ -191,25 +241,49 @@ def test_a_token_appended_at_a_block_boundary_after_rollback_step_registers_the_
     kv.check()
 
 
-@pytest.mark.xfail(
+_STEP_ROLLBACK_BUG = pytest.mark.xfail(
     strict=True,
-    reason="bug: rollback_step leaves full blocks whose ids set_token_ids recorded mid-step unregistered; a "
-    "one-token advance/append_token inside the tail block then skips them (advance of two tokens or mark_written "
-    "registers them) until the next block fills. Fix: SequenceCache.truncate registers them when it leaves the "
-    "sequence caught up (if self.prefix_cache is not None and n // self.block_size > self.num_registered: "
+    reason="bug: memos_ref.paged.step.rollback cuts the sequence back with truncate (as Session._rollback does), which "
+    "leaves full blocks whose ids set_token_ids recorded mid-step unregistered although every layer holds them; "
+    "a one-token advance/append_token inside the tail then skips them (advance of two tokens or mark_written "
+    "registers them) until the next block fills. rollback_step registers them; the fix is the same in truncate "
+    "(if self.prefix_cache is not None and n // self.block_size > self.num_registered: "
     "self._register_full_blocks())",
 )
+
+
 @pytest.mark.parametrize(
-    ("how", "token"), [("advance", 7), ("append_token", 7), ("advance", -1), ("advance", MAX_TOKEN_ID)]
+    ("how", "token", "route"),
+    [
+        ("advance", 7, "rollback_step"),
+        ("append_token", 7, "rollback_step"),
+        pytest.param("advance", 7, "step.rollback", marks=_STEP_ROLLBACK_BUG),
+        pytest.param("append_token", 7, "step.rollback", marks=_STEP_ROLLBACK_BUG),
+        pytest.param("advance", -1, "step.rollback", marks=_STEP_ROLLBACK_BUG),
+        pytest.param("advance", MAX_TOKEN_ID, "step.rollback", marks=_STEP_ROLLBACK_BUG),
+    ],
 )
-def test_a_token_appended_inside_the_tail_after_rollback_step_registers_the_full_blocks(how, token):
-    """As at a block boundary: after rollback_step, one more token (any valid id, -1 = unknown included) inside the
-    partly filled tail block registers the full blocks whose ids were recorded, as advance of two tokens (reserve +
-    mark_written) does."""
-    kv, seq, ids = _rolled_back(T + 4)
+def test_a_token_appended_inside_the_tail_after_a_rollback_registers_the_full_blocks(how, token, route):
+    """As at a block boundary: after a rolled-back step, one more token (any valid id, -1 = unknown included)
+    inside the partly filled tail block finds the full blocks whose ids were recorded registered, as after advance
+    of two tokens (reserve + mark_written)."""
+    kv, seq, ids = _rolled_back(T + 4, route)
     if how == "advance":
         seq.advance([token])
     else:
         seq.append_token(token)
     assert seq.num_registered == 1 and seq.token_ids == [*ids, token]
     assert [kv.allocator.hash_of(b) for b in seq.block_table] == [block_hashes(ids[:T], T, fingerprint=FP)[0], None]
+
+
+def test_advance_and_mark_written_without_a_prefix_cache_keep_the_tokens_and_register_nothing():
+    """With prefix caching off, declaring full blocks of known ids written (advance of several tokens, reserve +
+    mark_written) keeps the tokens and indexes nothing: there is no prefix index to offer them to."""
+    kv = PagedKV(SPEC, 8, prefix_caching=False)
+    seq = kv.new_sequence()
+    assert seq.advance(list(range(100, 120))) == range(20)
+    seq.reserve(2 * T, list(range(120, 120 + 2 * T)))
+    seq.mark_written()
+    assert seq.num_tokens == 36 and seq.layer_tokens == [36, 36] and seq.token_ids == list(range(100, 136))
+    assert seq.num_registered == 0 and not kv.allocator.indexed_blocks()
+    kv.check()

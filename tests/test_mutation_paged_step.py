@@ -185,11 +185,6 @@ def test_check_kv_refuses_a_key_or_a_value_on_another_device_alone():
     assert batch.written == [False, False]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: check_kv's DeviceError names only the key's device, so a value on the wrong device reads "
-    "'key device cpu does not match the pool's cpu' (fix: name key.device/value.device)",
-)
 def test_check_kv_names_the_device_of_a_value_on_another_device():
     """A value on another device than the pool's: the DeviceError names that device (expected vs actual)."""
     batch = _batch(PagedKV(SPEC, 8))

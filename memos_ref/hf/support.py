@@ -71,8 +71,9 @@ def check_step_kv(key: Any, value: Any, spec: KVSpec, device: torch.device, rows
             f"pool in the model's dtype, e.g. PagedKV(KVSpec.from_hf_config(model), ...) (it reads the model's "
             f"parameters) or KVSpec.from_hf_config(config, dtype=model.dtype)"
         )
-    if key.device != device:
-        raise DeviceError(f"key device {key.device} does not match the pool's {device}")
+    for name, t in (("key", key), ("value", value)):
+        if t.device != device:
+            raise DeviceError(f"{name} device {t.device} does not match the pool's {device}")
     if rows and key.shape[0] != rows:
         raise ShapeError(f"batch of {key.shape[0]} rows, but this cache holds {rows}")
 

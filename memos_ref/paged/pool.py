@@ -174,8 +174,9 @@ def check_kv(spec: KVSpec, device: torch.device, key: torch.Tensor, value: torch
         )
     if key.dtype != spec.dtype or value.dtype != spec.dtype:
         raise DTypeError(f"key/value dtype {key.dtype}/{value.dtype} does not match the pool's {spec.dtype}")
-    if key.device != device:
-        raise DeviceError(f"key device {key.device} does not match the pool's {device}")
+    for name, t in (("key", key), ("value", value)):
+        if t.device != device:
+            raise DeviceError(f"{name} device {t.device} does not match the pool's {device}")
 
 
 class SegmentLayout(NamedTuple):

@@ -129,6 +129,8 @@ class SequenceCache(SequenceTokens, SequenceWrites, CopyOnWrite, ResidualWindows
             n = check_index("n", n, lo=0, hi=min(self.layer_tokens, default=self.num_tokens))
             self.layer_tokens = [self.num_tokens] * len(self.layer_tokens)  # the step is abandoned, not finished
             self.truncate(n)
+            if self.prefix_cache is not None:  # full blocks every layer wrote whose ids set_token_ids recorded
+                self._register_full_blocks()
 
     def free(self) -> None:
         """Release every block; the sequence cannot be used afterwards (freeing twice is harmless)."""

@@ -141,8 +141,9 @@ class StepBatch:
             )
         if key.dtype != spec.dtype or value.dtype != spec.dtype:
             raise DTypeError(f"key/value dtype {key.dtype}/{value.dtype} does not match the pool's {spec.dtype}")
-        if key.device != self.pool.device or value.device != self.pool.device:
-            raise DeviceError(f"key device {key.device} does not match the pool's {self.pool.device}")
+        for name, t in (("key", key), ("value", value)):
+            if t.device != self.pool.device:
+                raise DeviceError(f"{name} device {t.device} does not match the pool's {self.pool.device}")
 
     def write(
         self,
