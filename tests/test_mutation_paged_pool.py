@@ -842,3 +842,68 @@ def test_gather_of_a_grown_host_pool_takes_a_block_table_on_the_gpu():
     assert k.device == pool.device
     assert torch.equal(k, torch.cat([dense[b, 0, 0] for b in table], dim=1))
     assert torch.equal(v, torch.cat([dense[b, 0, 1] for b in table], dim=1))
+
+
+# ------------------------------------------------------------------------------------------- BlockPool's sizing
+def test_a_pool_is_sized_by_exactly_one_of_num_blocks_or_byte_budget_and_the_refusal_names_both():
+    """Neither or both of ``num_blocks`` and ``byte_budget`` is a ConfigError naming both arguments (as the user
+    spells them); one of them alone sizes the pool (a budget: the whole blocks that fit in it)."""
+    bpb = SPEC.bytes_per_block
+    for kwargs in ({}, {"num_blocks": 2, "byte_budget": 4 * bpb}):
+        with pytest.raises(ConfigError) as info:
+            BlockPool(SPEC, **kwargs)
+        assert re.search(r"\bnum_blocks\b", str(info.value)) and re.search(r"\bbyte_budget\b", str(info.value))
+    assert BlockPool(SPEC, 2).num_blocks == 2
+    assert BlockPool(SPEC, byte_budget=3 * bpb + bpb - 1).num_blocks == 3
+
+
+@pytest.mark.parametrize("budget", [0, 1, SPEC.bytes_per_block - 1])
+def test_a_byte_budget_below_one_block_is_refused_naming_the_budget_and_one_blocks_bytes(budget):
+    """A ``byte_budget`` that holds no whole block is a ConfigError naming ``byte_budget``, the budget given and the
+    bytes one block needs (expected vs actual), not a complaint about a ``num_blocks`` the user never gave; a budget
+    of exactly one block makes a one-block pool."""
+    bpb = SPEC.bytes_per_block
+    with pytest.raises(ConfigError) as info:
+        BlockPool(SPEC, byte_budget=budget)
+    msg = str(info.value)
+    assert re.search(rf"\bbyte_budget {budget}\b", msg) and re.search(rf"\b{bpb} bytes\b", msg), msg
+    assert "num_blocks" not in msg
+    assert BlockPool(SPEC, byte_budget=bpb).num_blocks == 1
+
+
+def _fake_gpus(monkeypatch: pytest.MonkeyPatch, total: dict[int, int]) -> list[object]:
+    """Make ``torch.cuda.get_device_properties`` report GPUs of ``total[index]`` bytes (this machine may have none),
+    as torch does: ``None`` or ``cuda`` without an index is the current device, 0; a non-CUDA device is a
+    ValueError. Returns the list of devices it was asked about."""
+    asked: list[object] = []
+
+    def properties(device: object = None) -> SimpleNamespace:
+        asked.append(device)
+        where = torch.device("cuda", 0) if device is None else torch.device(device)
+        if where.type != "cuda":
+            raise ValueError(f"Expected a cuda device, but got: {where}")
+        return SimpleNamespace(total_memory=total[where.index or 0])
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    return asked
+
+
+def test_a_pool_bigger_than_its_gpus_memory_is_refused_before_any_allocation_naming_that_gpus_capacity(
+    monkeypatch,
+):
+    """A pool on ``cuda:1`` whose blocks exceed that GPU's whole memory is a CapacityExceededError carrying the bytes
+    needed and that GPU's own total (not the current GPU's), raised before any allocation is tried (so this runs on
+    a machine without CUDA: torch's properties are faked, GPU 0 has 10 blocks' bytes, GPU 1 has 3)."""
+    bpb = SPEC.bytes_per_block
+    asked = _fake_gpus(monkeypatch, {0: 10 * bpb, 1: 3 * bpb})
+    with pytest.raises(CapacityExceededError) as info:
+        BlockPool(SPEC, 4, device="cuda:1")
+    assert (info.value.needed, info.value.capacity) == (4 * bpb, 3 * bpb)
+    assert f"need {4 * bpb} bytes" in str(info.value) and f"has {3 * bpb} bytes" in str(info.value)
+    assert asked == [torch.device("cuda", 1)]
+    with pytest.raises(CapacityExceededError) as info:
+        BlockPool(SPEC, 11, device="cuda")  # the current GPU, 0
+    assert (info.value.needed, info.value.capacity) == (11 * bpb, 10 * bpb)
+    # A device with no known memory (meta) is never asked about or refused for its size.
+    asked.clear()
+    assert BlockPool(SPEC, 11, device="meta").num_blocks == 11 and asked == []
