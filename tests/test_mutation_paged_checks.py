@@ -287,3 +287,27 @@ def test_advance_and_mark_written_without_a_prefix_cache_keep_the_tokens_and_reg
     assert seq.num_tokens == 36 and seq.layer_tokens == [36, 36] and seq.token_ids == list(range(100, 136))
     assert seq.num_registered == 0 and not kv.allocator.indexed_blocks()
     kv.check()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug (found by a differential fuzz of the one-token path): set_token_ids checks new ids only against the "
+    "blocks this sequence registered itself (num_registered), not against blocks a fork sharing them put in the "
+    "prefix index, so it records other ids for such a block, registers nothing for it, and check() then raises "
+    "InvariantError. Fix: in SequenceTokens.set_token_ids, also refuse when a touched full block is in "
+    "allocator.hash_by_block and allocator.tokens_of(block) differs from the ids it would hold",
+)
+def test_set_token_ids_refuses_other_ids_for_a_shared_block_a_fork_put_in_the_prefix_cache():
+    """Token ids recorded for a block already in the prefix cache under other ids — put there by a fork sharing the
+    block — are refused naming the positions, as for the sequence's own registered blocks, and change nothing: one
+    block's K/V cannot stand for two different token sequences, and the pool's invariants keep holding."""
+    kv = PagedKV(SPEC, 8, fingerprint=FP)
+    seq = kv.new_sequence()
+    seq.advance([-1] * T + [5])  # block 0 written while its ids were unknown: not registered
+    child = seq.fork()
+    child.set_token_ids(list(range(T)))  # the fork records ids: block 0 enters the index under them
+    assert kv.allocator.tokens_of(seq.block_table[0]) == tuple(range(T))
+    with pytest.raises(InvalidArgumentError, match=rf"^token_ids: positions 0\.\.{T - 1} lie in blocks already in"):
+        seq.set_token_ids(list(range(100, 100 + T)))
+    assert seq.token_ids == [-1] * T + [5] and seq.num_registered == 0
+    kv.check()
