@@ -874,8 +874,10 @@ def test_a_byte_budget_below_one_block_is_refused_naming_the_budget_and_one_bloc
 def _fake_gpus(monkeypatch: pytest.MonkeyPatch, total: dict[int, int]) -> list[object]:
     """Make ``torch.cuda.get_device_properties`` report GPUs of ``total[index]`` bytes (this machine may have none),
     as torch does: ``None`` or ``cuda`` without an index is the current device, 0; a non-CUDA device is a
-    ValueError. Returns the list of devices it was asked about."""
+    ValueError (and ``torch.cuda`` reports those GPUs available). Returns the list of devices it was asked about."""
     asked: list[object] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(total))
 
     def properties(device: object = None) -> SimpleNamespace:
         asked.append(device)
@@ -907,3 +909,21 @@ def test_a_pool_bigger_than_its_gpus_memory_is_refused_before_any_allocation_nam
     # A device with no known memory (meta) is never asked about or refused for its size.
     asked.clear()
     assert BlockPool(SPEC, 11, device="meta").num_blocks == 11 and asked == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine whose torch has no usable CUDA device")
+@pytest.mark.xfail(
+    strict=True,
+    raises=(AssertionError, CapacityExceededError),
+    reason="bug: BlockPool(spec, n, device='cuda') where torch has no usable CUDA device lets torch's raw "
+    "AssertionError('Torch not compiled with CUDA enabled') out (a CUDA build without a GPU: a CapacityExceededError "
+    "'could not allocate'); fix in BlockPool.__init__ after self.device = torch.device(device): if self.device.type "
+    "== 'cuda' and (not torch.cuda.is_available() or (self.device.index or 0) >= torch.cuda.device_count()): raise "
+    "DeviceError(f'device: expected an available CUDA device, got {self.device} (torch sees "
+    "{torch.cuda.device_count() if torch.cuda.is_available() else 0})')",
+)
+def test_a_pool_on_a_cuda_device_torch_cannot_use_is_refused_by_name():
+    """A pool asked for on a CUDA device this torch cannot use (a CPU-only build, or no GPU) is a DeviceError naming
+    the device, raised before anything is allocated — not an error from inside torch."""
+    with pytest.raises(DeviceError, match=r"\bcuda\b"):
+        BlockPool(SPEC, 4, device="cuda")
