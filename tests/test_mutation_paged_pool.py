@@ -912,16 +912,6 @@ def test_a_pool_bigger_than_its_gpus_memory_is_refused_before_any_allocation_nam
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine whose torch has no usable CUDA device")
-@pytest.mark.xfail(
-    strict=True,
-    raises=(AssertionError, CapacityExceededError),
-    reason="bug: BlockPool(spec, n, device='cuda') where torch has no usable CUDA device lets torch's raw "
-    "AssertionError('Torch not compiled with CUDA enabled') out (a CUDA build without a GPU: a CapacityExceededError "
-    "'could not allocate'); fix in BlockPool.__init__ after self.device = torch.device(device): if self.device.type "
-    "== 'cuda' and (not torch.cuda.is_available() or (self.device.index or 0) >= torch.cuda.device_count()): raise "
-    "DeviceError(f'device: expected an available CUDA device, got {self.device} (torch sees "
-    "{torch.cuda.device_count() if torch.cuda.is_available() else 0})')",
-)
 def test_a_pool_on_a_cuda_device_torch_cannot_use_is_refused_by_name():
     """A pool asked for on a CUDA device this torch cannot use (a CPU-only build, or no GPU) is a DeviceError naming
     the device, raised before anything is allocated — not an error from inside torch."""

@@ -263,6 +263,9 @@ class BlockPool:
             raise ConfigError(f"num_blocks: expected at most {MAX_BLOCKS} blocks, got {num_blocks}")
         self.spec = spec
         self.device = torch.device(device)
+        seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if self.device.type == "cuda" and (self.device.index or 0) >= seen:  # before torch's own, rawer errors
+            raise DeviceError(f"device: expected a CUDA device this torch can use, got {self.device} (it sees {seen})")
         self._check_fits(num_blocks)
         self._layout = SegmentLayout((), (), 0)  # replaced whole, never changed in place
         self._grow_lock = threading.Lock()  # one writer at a time (readers take no lock)
