@@ -241,26 +241,15 @@ def test_a_token_appended_at_a_block_boundary_after_a_rollback_registers_the_ful
     kv.check()
 
 
-_STEP_ROLLBACK_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="bug: memos_ref.paged.step.rollback cuts the sequence back with truncate (as Session._rollback does), which "
-    "leaves full blocks whose ids set_token_ids recorded mid-step unregistered although every layer holds them; "
-    "a one-token advance/append_token inside the tail then skips them (advance of two tokens or mark_written "
-    "registers them) until the next block fills. rollback_step registers them; the fix is the same in truncate "
-    "(if self.prefix_cache is not None and n // self.block_size > self.num_registered: "
-    "self._register_full_blocks())",
-)
-
-
 @pytest.mark.parametrize(
     ("how", "token", "route"),
     [
         ("advance", 7, "rollback_step"),
         ("append_token", 7, "rollback_step"),
-        pytest.param("advance", 7, "step.rollback", marks=_STEP_ROLLBACK_BUG),
-        pytest.param("append_token", 7, "step.rollback", marks=_STEP_ROLLBACK_BUG),
-        pytest.param("advance", -1, "step.rollback", marks=_STEP_ROLLBACK_BUG),
-        pytest.param("advance", MAX_TOKEN_ID, "step.rollback", marks=_STEP_ROLLBACK_BUG),
+        ("advance", 7, "step.rollback"),
+        ("append_token", 7, "step.rollback"),
+        ("advance", -1, "step.rollback"),
+        ("advance", MAX_TOKEN_ID, "step.rollback"),
     ],
 )
 def test_a_token_appended_inside_the_tail_after_a_rollback_registers_the_full_blocks(how, token, route):
@@ -289,14 +278,6 @@ def test_advance_and_mark_written_without_a_prefix_cache_keep_the_tokens_and_reg
     kv.check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug (found by a differential fuzz of the one-token path): set_token_ids checks new ids only against the "
-    "blocks this sequence registered itself (num_registered), not against blocks a fork sharing them put in the "
-    "prefix index, so it records other ids for such a block, registers nothing for it, and check() then raises "
-    "InvariantError. Fix: in SequenceTokens.set_token_ids, also refuse when a touched full block is in "
-    "allocator.hash_by_block and allocator.tokens_of(block) differs from the ids it would hold",
-)
 def test_set_token_ids_refuses_other_ids_for_a_shared_block_a_fork_put_in_the_prefix_cache():
     """Token ids recorded for a block already in the prefix cache under other ids — put there by a fork sharing the
     block — are refused naming the positions, as for the sequence's own registered blocks, and change nothing: one

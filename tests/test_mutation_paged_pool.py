@@ -242,18 +242,20 @@ def test_mark_written_by_kernel_refuses_a_row_changed_since_the_step_was_prepare
 
 
 def test_mark_written_by_kernel_of_no_layers_changes_nothing():
-    """Counting no layers (an empty list) on a resumed batch changes nothing: a caught-up row whose full block has
-    known but unregistered ids (ids recorded mid-step, the step rolled back) stays unregistered."""
+    """Counting no layers (an empty list) on a resumed batch changes nothing: a caught-up row (ids recorded mid-step,
+    the step rolled back, which registered its full block) keeps its tokens and its block's hash."""
     kv = PagedKV(SPEC, 16, fingerprint=FP)
     seq = kv.new_sequence()
     StepBatch.reserve([seq], T).mark_written_by_kernel()  # 8 tokens of unknown ids
     StepBatch.reserve([seq], T)
     seq.set_token_ids(list(range(400, 400 + 2 * T)))  # not caught up: recorded only
     rollback(seq, T)  # the step failed: back to 8 tokens, caught up
-    assert seq.caught_up and kv.allocator.hash_of(seq.block_table[0]) is None
+    registered = kv.allocator.hash_of(seq.block_table[0])
+    assert seq.caught_up and registered is not None
     batch = StepBatch.resume([seq], 0, 0)
     batch.mark_written_by_kernel([])
-    assert kv.allocator.hash_of(seq.block_table[0]) is None and seq.layer_tokens == [T, T]
+    assert kv.allocator.hash_of(seq.block_table[0]) == registered and seq.layer_tokens == [T, T]
+    assert seq.num_tokens == T and seq.num_registered == 1
 
 
 # ---------------------------------------------------------------------------------------------- prefix hashing

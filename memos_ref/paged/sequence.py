@@ -119,6 +119,8 @@ class SequenceCache(SequenceTokens, SequenceWrites, CopyOnWrite, ResidualWindows
             self.layer_tokens = [n] * len(self.layer_tokens)
             self.num_registered = min(self.num_registered, n // self.block_size)
             del self._chain[self.num_registered :]
+            if self.prefix_cache is not None:  # full blocks every layer holds whose ids were recorded mid-step
+                self._register_full_blocks()  # (a step rolled back): registered now, as at the step's end
 
     def rollback_step(self, n: int) -> None:
         """Undo a model step that failed part-way: back to ``n`` tokens in every layer, the blocks reserved past
@@ -129,8 +131,6 @@ class SequenceCache(SequenceTokens, SequenceWrites, CopyOnWrite, ResidualWindows
             n = check_index("n", n, lo=0, hi=min(self.layer_tokens, default=self.num_tokens))
             self.layer_tokens = [self.num_tokens] * len(self.layer_tokens)  # the step is abandoned, not finished
             self.truncate(n)
-            if self.prefix_cache is not None:  # full blocks every layer wrote whose ids set_token_ids recorded
-                self._register_full_blocks()
 
     def free(self) -> None:
         """Release every block; the sequence cannot be used afterwards (freeing twice is harmless)."""

@@ -278,7 +278,14 @@ class SequenceTokens(SequenceState):
             raise ShapeError(f"{len(token_ids)} ids from {start} exceed the {self.num_tokens} tokens held")
         with self._lock:
             frozen = max(0, min(self.num_registered * self.block_size, start + len(token_ids)) - start)
-            if token_ids[:frozen] != self.token_ids[start : start + frozen]:
+            clash = token_ids[:frozen] != self.token_ids[start : start + frozen]
+            t, end = self.block_size, start + len(token_ids)
+            for b in range(max(self.num_registered, start // t), min(self.num_tokens // t, -(-end // t))):
+                held = self.allocator.tokens_of(self.block_table[b])  # indexed by a fork that shares it
+                lo, hi = max(b * t, start), min(b * t + t, end)
+                if held is not None and tuple(token_ids[lo - start : hi - start]) != held[lo - b * t : hi - b * t]:
+                    clash, frozen = True, hi - start
+            if clash:
                 raise InvalidArgumentError(
                     f"token_ids: positions {start}..{start + frozen - 1} lie in blocks already in the prefix cache "
                     f"under other ids; truncate() the sequence before recording different tokens there"
