@@ -77,7 +77,7 @@ AREAS: dict[str, tuple[list[str], list[str]]] = {
     ),
     "engine": (
         ["memos_ref/engine.py", "memos_ref/engine/*.py", "memos_ref/request.py"],
-        ["tests/test_engine.py", "tests/test_regress_engine_session.py", "tests/test_mutation_engine.py",
+        ["tests/test_engine.py", "tests/test_regress_engine_session.py", "tests/test_mutation_engine*.py",
          "tests/test_decode_graph.py", "tests/test_bad_input_table.py", "tests/test_tiering_manager.py"],
     ),
     "tiering-codecs": (
