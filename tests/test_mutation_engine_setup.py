@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -140,13 +141,13 @@ def test_an_empty_prompt_is_refused_naming_prompt():
 
 @pytest.mark.parametrize("field", ["prompt", "stop_ids"])
 def test_the_first_out_of_vocabulary_id_is_named_with_the_vocabulary_bound(field):
-    """Token ids are checked against ``[0, vocab_size)``: the last id of the vocabulary (V-1) is valid, so in
-    ``[V-1, V]`` the error names position 1, the range ``[0, V-1]`` and the bad value V."""
+    """Token ids are checked against ``[0, vocab_size)``: the first and last ids of the vocabulary (0 and V-1) are
+    valid, so in ``[0, V-1, V]`` the error names position 2, the range ``[0, V-1]`` and the bad value V."""
     engine = Engine(_Fake(), _kv())
-    ids = [V - 1, V]
+    ids = [0, V - 1, V]
     kwargs = {"prompt": ids} if field == "prompt" else {"prompt": [1, 2], "stop_ids": ids}
     request = Request(max_new_tokens=3, **kwargs)
-    with pytest.raises(InvalidArgumentError, match=rf"^{field}\[1\]: expected an integer in \[0, {V - 1}\], got {V}$"):
+    with pytest.raises(InvalidArgumentError, match=rf"^{field}\[2\]: expected an integer in \[0, {V - 1}\], got {V}$"):
         engine.submit(request)
     assert not engine.waiting
 
@@ -170,3 +171,34 @@ def test_ids_below_is_true_exactly_for_plain_int_ids_in_the_vocabulary(ids, voca
     """The one-pass token check's contract (its docstring): a list or tuple of plain ints in ``[0, vocab_size)``
     (no upper bound for None); anything else (a float, a bool, another container, an id out of range) is False."""
     assert _ids_below(ids, vocab_size) is expected
+
+
+def test_numpy_token_ids_down_to_zero_are_accepted():
+    """Token ids may be numpy integers (checked one by one): id 0 is valid, and the prompt is stored as ints."""
+    request = Request([np.int64(0), np.int64(5)], 1, stop_ids=(np.int32(0),))
+    assert request.prompt == [0, 5] and request.stop_ids == (0,)
+
+
+def test_a_bad_max_new_tokens_is_refused_naming_it():
+    """``max_new_tokens`` below 1 raises InvalidArgumentError naming ``max_new_tokens``, the bound and the value."""
+    with pytest.raises(InvalidArgumentError, match=r"^max_new_tokens: expected an integer in >= 1, got 0$"):
+        Request([1], 0)
+
+
+def test_a_non_numeric_temperature_is_refused_naming_it():
+    """``temperature`` of the wrong type raises ArgumentTypeError naming ``temperature`` and the type received."""
+    with pytest.raises(ArgumentTypeError, match=r"^temperature: expected int or float, got str"):
+        Request([1], 1, temperature="hot")
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64])
+def test_a_seed_outside_64_bits_is_refused_naming_seed_and_the_range(seed):
+    """The seed must fit the generator's unsigned 64 bits: -1 and 2**64 raise InvalidArgumentError naming ``seed``,
+    the range ``[0, 2**64 - 1]`` and the value (not a RuntimeError from torch later)."""
+    with pytest.raises(InvalidArgumentError, match=rf"^seed: expected an integer in \[0, {2**64 - 1}\], got {seed}$"):
+        Request([1], 1, seed=seed)
+
+
+def test_the_largest_64_bit_seed_is_accepted():
+    """``seed = 2**64 - 1`` is valid and seeds the request's generator."""
+    assert Request([1], 1, seed=2**64 - 1).generator.initial_seed() == 2**64 - 1
