@@ -202,3 +202,9 @@ def test_a_seed_outside_64_bits_is_refused_naming_seed_and_the_range(seed):
 def test_the_largest_64_bit_seed_is_accepted():
     """``seed = 2**64 - 1`` is valid and seeds the request's generator."""
     assert Request([1], 1, seed=2**64 - 1).generator.initial_seed() == 2**64 - 1
+
+
+def test_stop_ids_of_the_wrong_type_are_refused_naming_stop_ids():
+    """``stop_ids`` must be a list or tuple of ids: an int raises ArgumentTypeError naming ``stop_ids``."""
+    with pytest.raises(ArgumentTypeError, match=r"^stop_ids: expected list or tuple, got int"):
+        Request([1], 1, stop_ids=3)
