@@ -51,7 +51,7 @@ AREAS: dict[str, tuple[list[str], list[str]]] = {
          "!memos_ref/paged/events.py", "!memos_ref/paged/indexing.py", "!memos_ref/paged/allocator.py"],
         ["tests/test_paged_*.py", "tests/test_block_pool_events.py", "tests/test_pool_*.py",
          "tests/test_regress_paged_quant.py", "tests/test_gather_pool_size.py", "tests/test_dedup.py",
-         "tests/test_mutation_paged*.py"],
+         "tests/test_mutation_paged*.py", "tests/test_value_device.py"],
     ),
     "attention": (
         ["memos_ref/attention.py", "memos_ref/attention_*.py"],

@@ -246,11 +246,16 @@ def test_a_backend_collected_inside_another_backends_constructor_neither_deadloc
     holds the module's lock on the roots (a CI worker beside a CPU hog hung there for good). The finalizer must not
     wait for that lock, and the release must still happen by the time the constructor returns: another process
     can then take the old root."""
+    import memos_ref
+
+    here = os.path.dirname(os.path.dirname(memos_ref.__file__))  # the child imports the package this test does
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run(
         [sys.executable, "-c", _COLLECT_INSIDE_THE_CONSTRUCTOR, str(tmp_path / "old"), str(tmp_path / "new")],
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
     assert run.returncode == 0, f"rc {run.returncode}: {run.stdout}{run.stderr}"
 

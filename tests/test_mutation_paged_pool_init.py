@@ -1,0 +1,54 @@
+"""BlockPool's constructor (issue 30's survivors of its re-run): each refusal names its argument and the value
+given, the largest pool accepted is exactly ``MAX_BLOCKS`` blocks, and blocks split over segments add up to
+``num_blocks``. The oracle is the arithmetic of the arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memos_ref.errors import ConfigError
+from memos_ref.paged import BlockPool
+from memos_ref.paged.allocator import MAX_BLOCKS
+from memos_ref.spec import KVSpec
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, block_size=8)
+
+
+@pytest.mark.parametrize("num_blocks", [0, -1, "3", 2.0])
+def test_num_blocks_that_is_not_a_positive_int_is_refused_naming_it(num_blocks):
+    with pytest.raises(ConfigError, match=rf"^num_blocks must be a positive int, got {num_blocks!r}$"):
+        BlockPool(SPEC, num_blocks, device="meta")
+
+
+@pytest.mark.parametrize("segments", [0, 5, "2"])
+def test_segments_outside_1_to_num_blocks_is_refused_naming_both(segments):
+    with pytest.raises(ConfigError, match=rf"^segments must be an int in \[1, num_blocks=4\], got {segments!r}$"):
+        BlockPool(SPEC, 4, segments=segments, device="meta")
+
+
+def test_the_largest_pool_is_exactly_max_blocks():
+    """A meta pool holds no memory, so the bound itself is what refuses: MAX_BLOCKS blocks are accepted, one more
+    is refused naming both numbers."""
+    assert BlockPool(SPEC, MAX_BLOCKS, device="meta").num_blocks == MAX_BLOCKS
+    with pytest.raises(ConfigError, match=rf"^num_blocks: expected at most {MAX_BLOCKS} blocks, got {MAX_BLOCKS + 1}$"):
+        BlockPool(SPEC, MAX_BLOCKS + 1, device="meta")
+
+
+@pytest.mark.parametrize(("num_blocks", "segments"), [(5, 2), (7, 3), (4, 4), (9, 1)])
+def test_blocks_split_over_segments_add_up_to_num_blocks(num_blocks, segments):
+    """The first ``num_blocks % segments`` segments take one block more than the others: every block id below
+    ``num_blocks`` can be written and read back, and there is no block beyond."""
+    pool = BlockPool(SPEC, num_blocks, segments=segments)
+    assert pool.num_blocks == num_blocks
+    key = torch.arange(float(num_blocks * SPEC.block_size * 8)).reshape(num_blocks * SPEC.block_size, 2, 4)
+    slots = torch.arange(num_blocks * SPEC.block_size)
+    pool.write(0, slots, key, -key)
+    table = torch.arange(num_blocks)
+    k, v = pool.gather(0, table, num_blocks * SPEC.block_size)
+    assert torch.equal(k.transpose(0, 1), key) and torch.equal(v.transpose(0, 1), -key)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: 'cuda' without an index is GPU 0")
+def test_a_pool_on_cuda_without_an_index_is_on_the_current_gpu():
+    assert BlockPool(SPEC, 2, device="cuda").num_blocks == 2
