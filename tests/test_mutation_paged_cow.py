@@ -12,7 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memos_ref.errors import ArgumentTypeError, ConfigError, InvalidArgumentError, ShapeError, StateError
+from memos_ref.errors import (
+    ArgumentTypeError,
+    ConfigError,
+    InvalidArgumentError,
+    InvalidBlockError,
+    ShapeError,
+    StateError,
+)
 from memos_ref.paged import PagedKV, block_hashes
 from memos_ref.paged.prefix import PrefixHit
 from memos_ref.spec import KVSpec
@@ -454,21 +461,38 @@ def test_each_copy_on_write_copies_the_tail_it_replaces_and_is_counted_once():
     kv.check()
 
 
-def test_a_failed_tail_copy_gives_back_every_block_and_changes_nothing(monkeypatch):
+@pytest.mark.parametrize(
+    "fault, error, message",
+    [
+        (
+            RuntimeError("device lost"),
+            StateError,
+            r"^copying the shared tail block 1 to block \d+ failed \(device lost\); ",
+        ),
+        (InvalidBlockError("dst: block 9 out of range"), StateError, r"^copying the shared tail block 1 to block \d+ "),
+        (KeyboardInterrupt(), KeyboardInterrupt, r"^$"),
+    ],
+    ids=["device error", "pool smaller than the allocator", "interrupt"],
+)
+def test_a_failed_tail_copy_gives_back_every_block_and_changes_nothing(monkeypatch, fault, error, message):
     """Copy-on-write allocates the private tail and the new blocks together; when the copy itself fails (a device
-    error) the error reaches the caller and all of them go back: the table, refcounts and free blocks are as
-    before, and the same reserve then succeeds."""
+    error, a pool that does not hold the block) the caller gets a ``StateError`` naming both blocks, with the
+    fault as its cause (an interrupt passes through as it is), and all of them go back: the table, refcounts and
+    free blocks are as before, and the same reserve then succeeds."""
     kv = PagedKV(SPEC, 8, fingerprint=FP)
     seq, (sibling,) = _bookkept(kv, 12, forks=1)
     table, refs, available = list(seq.block_table), _refcounts(kv), kv.allocator.num_available
+    assert table[-1] == 1  # the shared, partly filled tail
 
     def broken(src, dst):
-        raise RuntimeError("copy failed")
+        raise fault
 
     monkeypatch.setattr(kv.pool, "copy_block", broken)
     assert seq.blocks_needed(10) == 2  # the copy and one new block
-    with pytest.raises(RuntimeError, match=r"^copy failed$"):
+    with pytest.raises(error, match=message) as caught:
         seq.reserve(10)
+    if error is StateError:
+        assert caught.value.__cause__ is fault and caught.value.args[0].endswith("; nothing was kept")
     assert seq.block_table == table and seq.num_tokens == 12 and seq.cow_copies == 0
     assert _refcounts(kv) == refs and kv.allocator.num_available == available
     kv.check()

@@ -4,8 +4,8 @@ Checked, each failure naming the offending block ids:
 
 1. refcount of every block = number of block-table entries that hold it;
 2. no block both free (or cached) and held; every block in a table is active;
-3. no block writable in place by two sequences (a partly filled tail shared by two must have refcount >= 2,
-   so it is copied on write — implied by 1, checked explicitly for a clear message);
+3. no block writable in place by two sequences: follows from 1 (a partly filled tail two sequences hold has
+   refcount >= 2, so the next write copies it), so it has no check of its own;
 4. free + active + cached = total, and the free and cached lists hold exactly the blocks in those states;
 5. every prefix-cached block is active or cached, never free;
 6. over a quantized pool with residual windows: each block's ``window_holds`` equals the number of live
@@ -44,15 +44,6 @@ def check_invariants(
         not_live = sorted(b for b in holders if allocator.state[b] != BlockState.ACTIVE)
         if not_live:
             raise InvariantError(f"blocks {not_live} are held by a sequence but are free or cached", not_live)
-        tails: Counter[int] = Counter()
-        for seq in sequences:
-            if seq.num_tokens % seq.block_size and seq.block_table:
-                tails[seq.block_table[-1]] += 1
-        shared_writable = [b for b, n in tails.items() if n > 1 and allocator.refcount[b] < n]
-        if shared_writable:
-            raise InvariantError(
-                f"partly filled blocks {shared_writable} are writable by several sequences", shared_writable
-            )
         states = Counter(allocator.state)
         free, cached = allocator.free_blocks(), allocator.cached_blocks()
         if sorted(free) != [b for b in range(allocator.num_blocks) if allocator.state[b] == BlockState.FREE]:

@@ -45,9 +45,14 @@ class CopyOnWrite(SequenceState):
             private, old = fresh.pop(), self.block_table[-1]
             try:
                 self.pool.copy_block(old, private)
-            except BaseException:  # give everything back
+            except BaseException as exc:  # give everything back
                 self.allocator.free_many([*fresh, private])
-                raise
+                if not isinstance(exc, Exception):
+                    raise  # an interrupt
+                # a block the storage does not hold (allocator and pool apart), or a raw device error
+                raise StateError(
+                    f"copying the shared tail block {old} to block {private} failed ({exc}); nothing was kept"
+                ) from exc
             self.block_table[-1] = private
             self._hold([private])  # the tail always lies inside the window
             self._unhold([old])
