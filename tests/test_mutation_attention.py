@@ -1012,6 +1012,32 @@ def test_paged_attention_edge_batches_and_options():
                 paged_attention(q, cache_k, cache_v, t, n, **opts)
 
 
+class _Stop(Exception):
+    """Raised by a spy once it has seen what it looks for."""
+
+
+def test_the_rows_gather_index_is_brought_to_the_caches_device():
+    """Runs on the CPU: the caches on ``meta`` (standing in for a GPU), block tables and lengths on the host. The
+    batched path's one ``index_select`` over the caches gets its index on the caches' device (a GPU cache refuses
+    a host index; ``meta`` accepts one, so a spy on ``index_select`` is the witness, and it stops the call)."""
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.index_select:
+                seen.append((args[0].device.type, args[2].device.type))
+                raise _Stop
+            return func(*args, **(kwargs or {}))
+
+    cache_k, cache_v = (c.to("meta") for c in _raw_pool(seed=5))
+    query = torch.empty(2, 4, 1, 8, device="meta")
+    with Spy(), pytest.raises(_Stop):
+        paged_attention(query, cache_k, cache_v, torch.tensor([[4, 1], [0, 5]]), torch.tensor([13, 10]))
+    assert seen == [("meta", "meta")]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: GPU caches with host block tables")
 def test_paged_attention_of_gpu_caches_takes_host_block_tables():
     """GPU caches with block tables and lengths built on the host (the batched path: every row holds all its

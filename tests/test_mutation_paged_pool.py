@@ -27,7 +27,7 @@ from memos_ref.errors import (
 from memos_ref.paged import BlockAllocator, BlockPool, PagedKV, PrefixCache, block_hashes
 from memos_ref.paged.allocator import MAX_BLOCKS, BlockState
 from memos_ref.paged.check import check_invariants
-from memos_ref.paged.pool import gather_blocks
+from memos_ref.paged.pool import SegmentLayout, gather_blocks
 from memos_ref.paged.prefix import pack_token_ids
 from memos_ref.paged.step import StepBatch, rollback
 from memos_ref.quant import FP8E4M3
@@ -830,6 +830,27 @@ def test_gather_of_a_grown_pool_keeps_the_pools_dtype_and_device_whatever_torchs
             k, v = pool.gather(1, torch.tensor(table, device="cpu"), n)
         assert k.dtype == v.dtype == dtype and k.device == v.device == pool.device, (ambient, k.dtype, k.device)
         assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+def test_a_grown_pool_looks_up_a_host_block_table_on_its_own_device(monkeypatch):
+    """Runs on the CPU: a pool of two segments on ``meta`` (standing in for a GPU) gathers from a block table on
+    the host; the ids are brought to the pool's device before they are split over its segments (a spy on that
+    split records their device and stops the call: a host index into a GPU segment is refused by torch)."""
+    seen = []
+
+    def spy(layout, blocks):
+        seen.append(blocks.device.type)
+        raise _Stop
+
+    monkeypatch.setattr(SegmentLayout, "index", spy)
+    pool = BlockPool(SPEC, 6, segments=2, device="meta")
+    with pytest.raises(_Stop):
+        pool.gather(0, torch.tensor([4, 0, 3]), 2 * T + 1)
+    assert seen == ["meta"]
+
+
+class _Stop(Exception):
+    """Raised by a spy once it has seen what it looks for."""
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: a block table on another device")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memos_ref.errors import ConfigError
+from memos_ref.errors import ConfigError, DeviceError
 from memos_ref.paged import BlockPool
 from memos_ref.paged.allocator import MAX_BLOCKS
 from memos_ref.spec import KVSpec
@@ -52,3 +52,31 @@ def test_blocks_split_over_segments_add_up_to_num_blocks(num_blocks, segments):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: 'cuda' without an index is GPU 0")
 def test_a_pool_on_cuda_without_an_index_is_on_the_current_gpu():
     assert BlockPool(SPEC, 2, device="cuda").num_blocks == 2
+
+
+class _ReachedAllocation(Exception):
+    """Raised by the stand-in for ``_check_fits``: the device check let the pool through."""
+
+
+@pytest.mark.parametrize(
+    ("device", "seen", "admitted"),
+    [("cuda", 1, True), ("cuda:0", 1, True), ("cuda:1", 1, False), ("cuda:1", 2, True), ("cuda", 0, False)],
+)
+def test_the_device_check_takes_plain_cuda_for_gpu_0(monkeypatch, device, seen, admitted):
+    """Runs on the CPU: torch is made to report ``seen`` GPUs, and the pool's first step after its device check
+    (``_check_fits``) stops the constructor before any allocation. Plain ``cuda`` is GPU 0, so one GPU admits it
+    and ``cuda:0`` alike, and refuses ``cuda:1`` naming the device and the count (no GPU refuses every one)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: seen > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: seen)
+
+    def reached(self, n):
+        raise _ReachedAllocation(n)
+
+    monkeypatch.setattr(BlockPool, "_check_fits", reached)
+    if admitted:
+        with pytest.raises(_ReachedAllocation):
+            BlockPool(SPEC, 2, device=device)
+    else:
+        message = rf"^device: expected a CUDA device this torch can use, got {device} \(it sees {seen}\)$"
+        with pytest.raises(DeviceError, match=message):
+            BlockPool(SPEC, 2, device=device)
