@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memos_ref.errors import ConfigError, DeviceError
+from memos_ref.errors import CapacityExceededError, ConfigError, DeviceError
 from memos_ref.paged import BlockPool
 from memos_ref.paged.allocator import MAX_BLOCKS
 from memos_ref.spec import KVSpec
@@ -80,3 +80,38 @@ def test_the_device_check_takes_plain_cuda_for_gpu_0(monkeypatch, device, seen, 
         message = rf"^device: expected a CUDA device this torch can use, got {device} \(it sees {seen}\)$"
         with pytest.raises(DeviceError, match=message):
             BlockPool(SPEC, 2, device=device)
+
+
+@pytest.mark.parametrize("fault", [torch.OutOfMemoryError("simulated"), MemoryError("simulated")])
+def test_a_segment_the_device_cannot_allocate_is_refused_naming_its_blocks_bytes_and_device(monkeypatch, fault):
+    """Out of memory while a segment is allocated (torch's error, or Python's): a ``CapacityExceededError`` naming
+    the blocks, their bytes (blocks x bytes per block) and the device, carrying ``needed`` and the fault as its
+    cause; the pool keeps its blocks."""
+    pool = BlockPool(SPEC, 4)
+
+    def oom(*args, **kwargs):
+        raise fault
+
+    monkeypatch.setattr(torch, "zeros", oom)
+    needed = 3 * SPEC.bytes_per_block
+    with pytest.raises(CapacityExceededError) as caught:
+        pool.grow(3)
+    assert str(caught.value) == f"could not allocate 3 blocks ({needed} bytes) on cpu: simulated"
+    assert caught.value.needed == needed and caught.value.__cause__ is fault
+    assert pool.num_blocks == 4
+
+
+def test_a_pool_exactly_as_large_as_the_devices_memory_is_allowed_one_byte_more_is_not(monkeypatch):
+    """The size check refuses only what cannot fit: a device whose whole memory is exactly the pool's bytes admits
+    it; one byte less refuses it before allocating, naming needed and capacity."""
+    import memos_ref.paged.pool as pool_module
+
+    needed = 3 * SPEC.bytes_per_block
+    monkeypatch.setattr(pool_module, "device_memory", lambda device: needed)
+    assert BlockPool(SPEC, 3).num_blocks == 3
+    monkeypatch.setattr(pool_module, "device_memory", lambda device: needed - 1)
+    with pytest.raises(CapacityExceededError) as caught:
+        BlockPool(SPEC, 3)
+    assert (caught.value.needed, caught.value.capacity) == (needed, needed - 1)
+    want = f"3 blocks of {SPEC.bytes_per_block} bytes need {needed} bytes; the cpu has {needed - 1} bytes in all"
+    assert str(caught.value) == want

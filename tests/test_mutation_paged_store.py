@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memos_ref.errors import ArgumentTypeError, InvalidArgumentError
+from memos_ref.errors import ArgumentTypeError, InvalidArgumentError, InvariantError
 from memos_ref.paged import PagedKV, block_hashes
 from memos_ref.paged.prefix import PrefixCache
 from memos_ref.paged.store import TierHook
@@ -206,3 +206,19 @@ def test_a_failing_tier_hook_leaves_no_sequence_and_no_reference_behind():
     assert seq.block_table[0] == first and seq.num_tokens == 3 * T
     _assert_kv(seq, want)
     kv.check()
+
+
+def test_the_stores_check_compares_its_sequences_token_ids_with_its_prefix_cache():
+    """``PagedKV.check`` hands the checker its prefix cache: a sequence whose ids for a registered block were
+    changed behind the store's back (here by hand) no longer matches the ids the cache verified, and the check
+    names the sequence and the block."""
+    kv = PagedKV(SPEC, 8, fingerprint="store-check")
+    seq = kv.new_sequence()
+    ids = list(range(100, 100 + T + 3))
+    _write(seq, ids, _random_kv(torch.Generator().manual_seed(3), len(ids)))
+    kv.check()
+    (block, _) = seq.block_table
+    seq.token_ids[2] = 7  # one id of the registered first block
+    with pytest.raises(InvariantError) as caught:
+        kv.check()
+    assert str(caught.value) == f"sequence {seq.seq_id} holds prefix-cached block {block} with other token ids"
