@@ -254,10 +254,16 @@ def function_variants(mutated: str) -> dict[str, str]:
 
 
 def one_line_diff(orig: str, mutant: str) -> str:
-    """The changed lines of a mutant, ``-old / +new``, stripped and joined on one line."""
+    """The changed lines of a mutant, ``-old / +new``, stripped and joined on one line. The ``def`` line is
+    compared too, without mutmut's ``__mutmut_<n>`` suffix, so a mutated default argument has a diff of its own."""
+
+    def lines(source: str) -> list[str]:
+        first, *rest = source.splitlines() or [""]
+        return [re.sub(r"__mutmut_(?:orig|\d+)\(", "(", first, count=1), *rest]
+
     changed = [
         d[0] + d[1:].strip()
-        for d in difflib.unified_diff(orig.splitlines()[1:], mutant.splitlines()[1:], lineterm="", n=0)
+        for d in difflib.unified_diff(lines(orig), lines(mutant), lineterm="", n=0)
         if d[:1] in "+-" and not d.startswith(("+++", "---"))
     ]
     return " | ".join(changed)[:400]

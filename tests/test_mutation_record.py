@@ -74,3 +74,25 @@ def test_the_docs_table_is_the_one_the_record_gives(mutation):
     assert begin in text and "<!-- /mutation-table -->" in text
     shown = text.split(begin, 1)[1].split("<!-- /mutation-table -->", 1)[0].strip()
     assert shown == mutation.table(RECORD), "run `python scripts/mutation.py --table` and paste it into docs/testing.md"
+
+
+def test_a_mutated_default_argument_has_a_diff_of_its_own(mutation):
+    """Two mutants of one function's defaults differ only on its ``def`` line: each gets its own one-line diff
+    (a verdict is keyed by the diff, so an empty one would cover every such mutant at once), without mutmut's
+    ``__mutmut_<n>`` suffix; the body's lines compare as before."""
+    orig = 'def xǁPǁf__mutmut_orig(self, name: str = "n") -> int:\n    return len(name)\n'
+    first = orig.replace("__mutmut_orig", "__mutmut_1").replace('"n"', '"XXnXX"')
+    second = orig.replace("__mutmut_orig", "__mutmut_2").replace('"n"', '"N"')
+    body = orig.replace("__mutmut_orig", "__mutmut_3").replace("len(name)", "len(None)")
+    assert mutation.one_line_diff(orig, first) == (
+        '-def xǁPǁf(self, name: str = "n") -> int: | +def xǁPǁf(self, name: str = "XXnXX") -> int:')
+    assert mutation.one_line_diff(orig, second) == (
+        '-def xǁPǁf(self, name: str = "n") -> int: | +def xǁPǁf(self, name: str = "N") -> int:')
+    assert mutation.one_line_diff(orig, body) == "-return len(name) | +return len(None)"
+    assert mutation.one_line_diff(orig, orig.replace("__mutmut_orig", "__mutmut_4")) == ""
+
+
+def test_no_recorded_survivor_has_an_empty_diff():
+    empty = [(m, s["mutant"]) for m, e in RECORD["modules"].items() for f in e["functions"].values()
+             for s in f["survivors"] if not s["diff"]]  # fmt: skip
+    assert not empty
