@@ -85,9 +85,11 @@ def test_a_mutated_default_argument_has_a_diff_of_its_own(mutation):
     second = orig.replace("__mutmut_orig", "__mutmut_2").replace('"n"', '"N"')
     body = orig.replace("__mutmut_orig", "__mutmut_3").replace("len(name)", "len(None)")
     assert mutation.one_line_diff(orig, first) == (
-        '-def xǁPǁf(self, name: str = "n") -> int: | +def xǁPǁf(self, name: str = "XXnXX") -> int:')
+        '-def xǁPǁf(self, name: str = "n") -> int: | +def xǁPǁf(self, name: str = "XXnXX") -> int:'
+    )
     assert mutation.one_line_diff(orig, second) == (
-        '-def xǁPǁf(self, name: str = "n") -> int: | +def xǁPǁf(self, name: str = "N") -> int:')
+        '-def xǁPǁf(self, name: str = "n") -> int: | +def xǁPǁf(self, name: str = "N") -> int:'
+    )
     assert mutation.one_line_diff(orig, body) == "-return len(name) | +return len(None)"
     assert mutation.one_line_diff(orig, orig.replace("__mutmut_orig", "__mutmut_4")) == ""
 
