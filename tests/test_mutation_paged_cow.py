@@ -525,3 +525,27 @@ def test_copy_on_write_over_a_windowed_pool_moves_the_window_holds_to_the_privat
     holds[b1], holds[private], holds[new] = 1, 1, 1
     assert kv.pool.window_holds.tolist() == holds
     kv.check()
+
+
+@pytest.mark.parametrize(
+    "n, ids, error, message",
+    [
+        (-1, None, InvalidArgumentError, r"^n: expected an integer in >= 0, got -1$"),
+        ("2", None, ArgumentTypeError, r"^n: "),
+        (2, [5], ShapeError, r"^2 tokens reserved but 1 token ids given$"),
+        (1, [5, 6], ShapeError, r"^1 tokens reserved but 2 token ids given$"),
+    ],
+    ids=["negative", "str", "fewer ids", "more ids"],
+)
+def test_reserve_positions_refuses_a_bad_count_or_ids_of_another_length_and_changes_nothing(n, ids, error, message):
+    """A count that is not a non-negative int is refused naming ``n``; ids of another length than the count are
+    refused naming both numbers; the sequence and the allocator are as before. Zero tokens reserve nothing."""
+    kv = PagedKV(SPEC, 8, fingerprint=FP)
+    seq = kv.new_sequence()
+    seq.reserve_positions(3, [1, 2, 3])
+    table, available = list(seq.block_table), kv.allocator.num_available
+    with pytest.raises(error, match=message):
+        seq.reserve_positions(n, ids)
+    assert seq.num_tokens == 3 and seq.token_ids == [1, 2, 3] and seq.block_table == table
+    assert kv.allocator.num_available == available
+    assert seq.reserve_positions(0) == range(3, 3) and seq.num_tokens == 3
