@@ -222,3 +222,30 @@ def test_the_stores_check_compares_its_sequences_token_ids_with_its_prefix_cache
     with pytest.raises(InvariantError) as caught:
         kv.check()
     assert str(caught.value) == f"sequence {seq.seq_id} holds prefix-cached block {block} with other token ids"
+
+
+def test_a_sequence_or_store_of_the_wrong_parts_is_refused_naming_the_argument():
+    """``SequenceCache``, ``PagedKV`` and ``new_sequence`` check their arguments' types before building anything:
+    each refusal names the argument, the types it takes and what was given, and no sequence is registered."""
+    from memos_ref.paged import SequenceCache
+
+    kv = PagedKV(SPEC, 4, fingerprint="parts")
+    cases = [
+        (
+            lambda: SequenceCache(kv.pool, kv.allocator, cache_salt=5),
+            "cache_salt: expected str or NoneType, got int (5)",
+        ),
+        (lambda: SequenceCache(kv.pool, "alloc"), "allocator: expected BlockAllocator, got str ('alloc')"),
+        (
+            lambda: SequenceCache(kv.pool, kv.allocator, 7),
+            "prefix_cache: expected PrefixCache or NoneType, got int (7)",
+        ),
+        (lambda: kv.new_sequence(cache_salt=b"t"), "cache_salt: expected str or NoneType, got bytes (b't')"),
+        (lambda: PagedKV("spec", 4), "spec: expected KVSpec, got str ('spec')"),
+    ]
+    for build, message in cases:
+        with pytest.raises(ArgumentTypeError) as caught:
+            build()
+        assert str(caught.value) == message
+    assert not kv.sequences and kv.allocator.num_available == 4
+    assert kv.new_sequence(cache_salt="tenant").cache_salt == "tenant"
