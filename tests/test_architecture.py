@@ -66,8 +66,9 @@ def test_every_module_sits_in_a_layer():
 
 
 def _private_accesses(path: Path, root: Path = ROOT) -> list[str]:
-    """``obj._name`` where ``obj`` is not ``self``/``cls`` and ``_name`` is no attribute this module defines itself
-    (a class comparing two of its own instances may read ``other._x``), plus ``from memos_* import _name``."""
+    """``obj._name`` (or ``getattr(obj, "_name")``) where ``obj`` is not ``self``/``cls`` and ``_name`` is no
+    attribute this module defines itself (a class comparing two of its own instances may read ``other._x``), plus
+    ``from memos_* import _name``."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     own: set[str] = set()
     for node in ast.walk(tree):
@@ -89,6 +90,19 @@ def _private_accesses(path: Path, root: Path = ROOT) -> list[str]:
                 continue
             if node.attr not in own:
                 found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+        elif (  # the same read spelled getattr(obj, "_name", ...) (or hasattr/setattr/delattr)
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and node.args[1].value.startswith("_")
+            and not node.args[1].value.startswith("__")
+            and not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls"))
+            and node.args[1].value not in own
+        ):
+            found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES:
             found += [
                 f"{path.relative_to(root)}:{node.lineno}: from {node.module} import {a.name}"
@@ -98,9 +112,19 @@ def _private_accesses(path: Path, root: Path = ROOT) -> list[str]:
     return found
 
 
+#: private reads of the standard library's objects, each with why there is no public way
+STDLIB_PRIVATE = {
+    "memos_ref/hf/rows.py": {"getattr(lock, '_is_owned', None)"},  # RLock: no public "held by this thread" query
+}
+
+
 def test_no_module_reads_another_modules_private_attributes():
     files = [path for folder in PACKAGES.values() for path in sorted(folder.rglob("*.py"))]
     found = [hit for path in files for hit in _private_accesses(path)]
+    allowed = [f"{path}:" for path in STDLIB_PRIVATE]
+    found = [
+        h for h in found if not any(h.startswith(a) and h.split(": ", 1)[1] in STDLIB_PRIVATE[a[:-1]] for a in allowed)
+    ]
     assert found == []
 
 
@@ -110,10 +134,12 @@ def test_the_private_access_check_can_fail(tmp_path):
         "from memos_ref.paged import _helper\n"
         "def f(kv):\n    return kv.allocator._lock, kv._x\n\n\n"
         "class A:\n    def eq(self, other):\n        self._y = 1\n        return other._y, super()._z\n"
+        "def g(seq):\n    return getattr(seq, '_freed', False), hasattr(seq, '__len__'), getattr(seq, '_y')\n"
     )
     hits = [hit.split(": ", 1)[1] for hit in _private_accesses(probe, root=tmp_path)]
-    # other._y is A's own attribute, super()._z its base's: not flagged
-    assert sorted(hits) == ["from memos_ref.paged import _helper", "kv._x", "kv.allocator._lock"]
+    # other._y is A's own attribute (so getattr(seq, '_y') too), super()._z its base's, __len__ a dunder: not flagged
+    assert sorted(hits) == ["from memos_ref.paged import _helper", "getattr(seq, '_freed', False)", "kv._x",
+                            "kv.allocator._lock"]  # fmt: skip
 
 
 _NOTEBOOK_PRIVATE = re.compile(r"from\s+(memos_\w+(?:\.\w+)*)\s+import\s+([^\n]*)")

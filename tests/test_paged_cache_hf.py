@@ -292,8 +292,11 @@ def test_wrong_argument_types_raise_the_package_errors(shipped_pair):
     ours, _ = shipped_pair
     kv = _kv(ours)
     other = _kv(ours)
+    gone = kv.new_sequence()
+    gone.free()
     cases = [
         (lambda: PagedCache("kv"), ArgumentTypeError, "kv: expected PagedKV, got str"),
+        (lambda: PagedCache(kv, [gone]), UseAfterFreeError, r"^sequences\[0\] was freed; create a new sequence"),
         (lambda: PagedCache(kv, direct="yes"), ArgumentTypeError, "direct: expected bool, got str"),
         (lambda: PagedCache(kv, cache_salt=3), ArgumentTypeError, "cache_salt: expected str, got int"),
         (lambda: PagedCache(kv, [object()]), ArgumentTypeError, r"sequences\[0\]: expected SequenceCache"),

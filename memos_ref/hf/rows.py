@@ -137,7 +137,7 @@ def check_sequences(
         check_type(f"sequences[{i}]", seq, SequenceCache)
         if seq.allocator is not kv.allocator:
             raise InvalidArgumentError(f"sequences[{i}] belongs to another PagedKV than kv")
-        if getattr(seq, "_freed", False):
+        if seq.freed:
             raise UseAfterFreeError(f"sequences[{i}] was freed; create a new sequence (or fork() before free())")
     if not ragged and len({seq.num_tokens for seq in rows}) > 1:
         raise InvalidArgumentError(
