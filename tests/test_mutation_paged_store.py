@@ -249,3 +249,10 @@ def test_a_sequence_or_store_of_the_wrong_parts_is_refused_naming_the_argument()
         assert str(caught.value) == message
     assert not kv.sequences and kv.allocator.num_available == 4
     assert kv.new_sequence(cache_salt="tenant").cache_salt == "tenant"
+
+
+def test_a_store_sized_by_a_byte_budget_holds_the_whole_blocks_that_fit():
+    """``PagedKV(spec, byte_budget=...)`` passes the budget on: the pool and the allocator hold as many whole
+    blocks as the bytes pay for (a remainder smaller than a block buys nothing)."""
+    kv = PagedKV(SPEC, byte_budget=5 * SPEC.bytes_per_block + SPEC.bytes_per_block - 1)
+    assert kv.pool.num_blocks == kv.allocator.num_blocks == 5
