@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memos_ref.errors import ArgumentTypeError, InvalidArgumentError, InvariantError
+from memos_ref.errors import ArgumentTypeError, ConfigError, InvalidArgumentError, InvariantError
 from memos_ref.paged import PagedKV, block_hashes
 from memos_ref.paged.prefix import PrefixCache
 from memos_ref.paged.store import TierHook
@@ -256,3 +256,50 @@ def test_a_store_sized_by_a_byte_budget_holds_the_whole_blocks_that_fit():
     blocks as the bytes pay for (a remainder smaller than a block buys nothing)."""
     kv = PagedKV(SPEC, byte_budget=5 * SPEC.bytes_per_block + SPEC.bytes_per_block - 1)
     assert kv.pool.num_blocks == kv.allocator.num_blocks == 5
+
+
+def test_each_way_of_building_the_pool_refuses_the_options_of_the_others_naming_them():
+    """``PagedKV`` builds its pool one of three ways — the pool given, one a quantization scheme builds, or a plain
+    ``BlockPool`` — and refuses an option that belongs to another way, naming every such option given (a
+    ``ConfigError``), a pool that is not one, or one built for another spec. The pool given is used as it is."""
+    from memos_ref.paged import BlockPool
+    from memos_ref.quant import FP8E4M3
+
+    pool = BlockPool(SPEC, 4)
+    scales = torch.ones(2)
+    whole = "pool= is the whole storage: drop {} (they size or build a pool)"
+    refused = [
+        (dict(pool=pool, num_blocks=4), ConfigError, whole.format(["num_blocks"])),
+        (dict(pool=pool, byte_budget=10**6), ConfigError, whole.format(["byte_budget"])),
+        (dict(pool=pool, quant=FP8E4M3()), ConfigError, whole.format(["quant"])),
+        (dict(pool=pool, residual_tokens=8), ConfigError, whole.format(["residual_tokens"])),
+        (dict(pool=pool, staging_blocks=2), ConfigError, whole.format(["staging_blocks"])),
+        (dict(pool=pool, layer_scales=scales), ConfigError, whole.format(["layer_scales"])),
+        (dict(pool=pool, segments=2), ConfigError, whole.format(["segments"])),
+        (dict(pool=pool, num_blocks=4, staging_blocks=2, segments=2), ConfigError,
+         whole.format(["num_blocks", "staging_blocks", "segments"])),
+        (dict(pool="pool"), ArgumentTypeError,
+         "pool: expected a KVPool (BlockPool, QuantizedBlockPool...), got <class 'str'>"),
+        (dict(num_blocks=4, residual_tokens=8), ConfigError,
+         "['residual_tokens'] configure a quantized pool: pass quant=<scheme> too"),
+        (dict(num_blocks=4, staging_blocks=2, layer_scales=scales), ConfigError,
+         "['staging_blocks', 'layer_scales'] configure a quantized pool: pass quant=<scheme> too"),
+        (dict(num_blocks=4, quant="fp8"), ConfigError,
+         "quant: expected a memos_ref.quant scheme (one that builds its pool), got 'fp8'"),
+        (dict(num_blocks=4, quant=FP8E4M3(), segments=2), ConfigError,
+         "a quantized pool is sized by num_blocks and has one segment"),
+        (dict(quant=FP8E4M3(), byte_budget=10**6), ConfigError,
+         "a quantized pool is sized by num_blocks and has one segment"),
+    ]  # fmt: skip
+    for options, error, message in refused:
+        with pytest.raises(error) as caught:
+            PagedKV(SPEC, **options)
+        assert str(caught.value) == message, options
+    other = KVSpec(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32, block_size=T)
+    with pytest.raises(
+        ConfigError, match=r"^pool was built for KVSpec\(num_layers=3, .* not for this PagedKV's KVSpec"
+    ):
+        PagedKV(SPEC, pool=BlockPool(other, 4))
+    assert PagedKV(SPEC, pool=pool).pool is pool
+    quantized = PagedKV(SPEC, 4, quant=FP8E4M3(), residual_tokens=8, staging_blocks=2)
+    assert quantized.pool.num_blocks == 4 and quantized.pool.tracks_windows
