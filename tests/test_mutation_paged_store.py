@@ -253,9 +253,13 @@ def test_a_sequence_or_store_of_the_wrong_parts_is_refused_naming_the_argument()
 
 def test_a_store_sized_by_a_byte_budget_holds_the_whole_blocks_that_fit():
     """``PagedKV(spec, byte_budget=...)`` passes the budget on: the pool and the allocator hold as many whole
-    blocks as the bytes pay for (a remainder smaller than a block buys nothing)."""
+    blocks as the bytes pay for (a remainder smaller than a block buys nothing). ``segments`` and ``device`` reach
+    the pool too."""
     kv = PagedKV(SPEC, byte_budget=5 * SPEC.bytes_per_block + SPEC.bytes_per_block - 1)
     assert kv.pool.num_blocks == kv.allocator.num_blocks == 5
+    split = PagedKV(SPEC, 5, segments=2)
+    assert [s.shape[0] for s in split.pool.segments] == [3, 2] and split.allocator.num_blocks == 5
+    assert PagedKV(SPEC, 4, device="meta").pool.device == torch.device("meta")
 
 
 def test_each_way_of_building_the_pool_refuses_the_options_of_the_others_naming_them():
