@@ -549,3 +549,81 @@ def test_reserve_positions_refuses_a_bad_count_or_ids_of_another_length_and_chan
     assert seq.num_tokens == 3 and seq.token_ids == [1, 2, 3] and seq.block_table == table
     assert kv.allocator.num_available == available
     assert seq.reserve_positions(0) == range(3, 3) and seq.num_tokens == 3
+
+
+def test_freeing_the_last_window_over_a_shared_full_block_seals_it_for_the_sequence_still_holding_it():
+    """Over a quantized pool with a one-block residual window: a parent and its fork share three full blocks; the
+    fork writes on, so its window leaves them, and only the parent's window keeps the third at full precision.
+    When the parent is freed that block is inside no window any more: it is sealed (quantized, its staging slot
+    given back) though the fork still holds it, and the fork reads it as the codec's round trip."""
+    from memos_ref.quant import FP8E4M3
+
+    kv = PagedKV(SPEC, 16, quant=FP8E4M3(), residual_tokens=T, staging_blocks=6, fingerprint=FP)
+    gen = torch.Generator().manual_seed(21)
+    empty = torch.zeros(2, 0, 4)
+    parent, dense = kv.new_sequence(), [empty, empty]
+    _write(parent, 3 * T, gen, dense)
+    child = parent.fork()
+    _write(child, 2 * T, gen, [empty, empty])
+    b0, b1, b2 = parent.block_table
+    assert kv.pool.is_staged(b2) and not kv.pool.is_staged(b0) and not kv.pool.is_staged(b1)
+    staged_before = kv.pool.staging_available
+    parent.free()
+    assert not kv.pool.is_staged(b2) and kv.pool.staging_available == staged_before + 1
+    assert child.block_table[:3] == [b0, b1, b2] and kv.allocator.refcount[b2] == 1
+    kv.check()
+    for layer in range(SPEC.num_layers):
+        k, _ = child.to_dense(layer)
+        want = kv.pool.codec.decode(kv.pool.payload, torch.tensor([b2]), layer)[0, 0]  # [H, T, D] sealed codes
+        assert torch.equal(k[:, 2 * T : 3 * T], want)
+        assert not torch.equal(k[:, 2 * T : 3 * T], dense[layer][:, 2 * T : 3 * T])  # not the full-precision copy
+
+
+def test_freeing_a_sequence_seals_a_block_it_had_truncated_into_that_another_holds_whole_behind_its_window():
+    """A block can be a partly filled tail for one holder and a whole block for another: ``a`` registered it full,
+    ``b`` adopted it as a prefix and wrote on (its one-block window left it), then ``a`` truncated into it. When
+    ``a`` is freed the block is inside no window: it is sealed (staging slot given back) like any whole block
+    behind every window, though it was partial for the sequence that let go of it."""
+    from memos_ref.quant import FP8E4M3
+
+    kv = PagedKV(SPEC, 16, quant=FP8E4M3(), residual_tokens=T, staging_blocks=6, fingerprint=FP)
+    gen = torch.Generator().manual_seed(22)
+    ids = list(range(500, 500 + 2 * T))
+    a = kv.new_sequence()
+    for layer in range(SPEC.num_layers):
+        k = torch.randn(2, 2 * T, 4, generator=gen)
+        a.append(layer, k, -k, ids)
+    a0, a1 = a.block_table
+    b = kv.start_from_prefix([*ids, 7, 8, 9])
+    assert b.block_table == [a0, a1] and b.num_tokens == 2 * T
+    for layer in range(SPEC.num_layers):
+        k = torch.randn(2, 2 * T, 4, generator=gen)
+        b.append(layer, k, -k)
+    a.truncate(2 * T - 3)  # a1: a's partial tail, b's whole block outside its window
+    assert a.block_table == [a0, a1] and kv.allocator.refcount[a1] == 2 and kv.pool.is_staged(a1)
+    slots = kv.pool.staging_available
+    a.free()
+    assert not kv.pool.is_staged(a1) and kv.pool.staging_available >= slots + 1
+    kv.check()
+
+
+def test_a_freed_sequence_reads_as_empty_and_leaves_the_registry_even_if_it_was_dropped_from_it():
+    """After ``free()`` a sequence holds no tokens, no blocks, and its window starts at 0; it is gone from
+    ``kv.sequences``. Freeing one a caller had already dropped from ``kv.sequences`` still gives its blocks
+    back (no ``KeyError``), and freeing twice is harmless."""
+    from memos_ref.quant import FP8E4M3
+
+    kv = PagedKV(SPEC, 16, quant=FP8E4M3(), residual_tokens=T, staging_blocks=6, fingerprint=FP)
+    gen = torch.Generator().manual_seed(23)
+    empty = torch.zeros(2, 0, 4)
+    seq, other = kv.new_sequence(), kv.new_sequence()
+    _write(seq, 3 * T + 2, gen, [empty, empty])
+    _write(other, T + 1, gen, [empty, empty])
+    assert seq.window_start == 2
+    seq.free()
+    assert (seq.num_tokens, seq.block_table, seq.window_start) == (0, [], 0) and seq.seq_id not in kv.sequences
+    del kv.sequences[other.seq_id]
+    other.free()
+    other.free()
+    assert kv.allocator.num_active == 0 and kv.pool.staging_available == kv.pool.staging_capacity
+    kv.check()

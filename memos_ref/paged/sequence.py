@@ -139,10 +139,11 @@ class SequenceCache(SequenceTokens, SequenceWrites, CopyOnWrite, ResidualWindows
                 return
             self._unhold(self.block_table[self.window_start :])
             if self._windows and self.caught_up:
-                # blocks this sequence alone kept in a window, now behind every remaining holder's: seal them
-                # (they are full here); blocks whose last holder this was are sealed by the allocator if cached
-                full = self.num_tokens // self.block_size
-                shared = [b for b in self.block_table[:full] if self.allocator.refcount[b] > 1]
+                # blocks this sequence alone kept in a window, now behind every remaining holder's: seal them.
+                # All of them, the partial tail too: a block partial here (truncated into) may be whole for
+                # another holder, and one partial for every holder is its tail, inside its window, so never
+                # sealed. Blocks whose last holder this was are sealed by the allocator if cached.
+                shared = [b for b in self.block_table if self.allocator.refcount[b] > 1]
                 self.pool.seal_unheld(shared)  # type: ignore[attr-defined]
             # last block first: cached blocks are evicted oldest first, so a prefix outlives its tail (vLLM's order)
             self.allocator.free_many(self.block_table[::-1])
